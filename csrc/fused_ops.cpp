@@ -1,0 +1,22 @@
+// The schema of every fused_ops operator, in one place.  Kernels register
+// against these names from cpu/*.cpp and cuda/*.cu with TORCH_LIBRARY_IMPL;
+// fake (meta) implementations and autograd live in Python (fused_ops/ops.py).
+
+#include <Python.h>
+#include <torch/library.h>
+
+// A Python module with no functions: importing fused_ops._C loads this shared
+// library, whose static initialisers register the ops with the dispatcher.
+// Written against the limited C API so the module init itself is ABI-stable.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(fused_ops, m) {
+  m.def(
+      "importance_sampling(Tensor samples, Tensor mix_weights, Tensor mix_mus, Tensor mix_stds, "
+      "Tensor q_mu, Tensor q_std) -> (Tensor weighted_mean, Tensor ess, Tensor log_weights)");
+}

@@ -1,0 +1,54 @@
+// fused_ops::importance_sampling: argument validation shared by the CPU and
+// CUDA wrappers, and the per-device entry points.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+#include "common/checks.h"
+
+namespace fused_ops {
+
+struct ImportanceSamplingSizes {
+  int64_t N, D, K;
+};
+
+inline ImportanceSamplingSizes check_importance_sampling_args(
+    const at::Tensor& samples, const at::Tensor& mix_weights, const at::Tensor& mix_mus,
+    const at::Tensor& mix_stds, const at::Tensor& q_mu, const at::Tensor& q_std) {
+  check_rank(samples, "samples", 2, "[N, D]");
+  check_rank(mix_weights, "mix_weights", 1, "[K]");
+  check_rank(mix_mus, "mix_mus", 2, "[K, D]");
+  check_rank(mix_stds, "mix_stds", 2, "[K, D]");
+  check_rank(q_mu, "q_mu", 1, "[D]");
+  check_rank(q_std, "q_std", 1, "[D]");
+  const int64_t N = samples.size(0), D = samples.size(1), K = mix_weights.size(0);
+  TORCH_CHECK(N >= 1, "samples must hold at least one sample (N >= 1): the self-normalised ",
+              "weights are undefined for N = 0, got shape ", samples.sizes());
+  TORCH_CHECK(K >= 1, "mix_weights must hold at least one mixture component (K >= 1), got shape ",
+              mix_weights.sizes());
+  check_size(mix_mus, "mix_mus", 0, K, "K, the number of mixture components in mix_weights");
+  check_size(mix_mus, "mix_mus", 1, D, "D, the sample dimension of samples");
+  check_size(mix_stds, "mix_stds", 0, K, "K, the number of mixture components in mix_weights");
+  check_size(mix_stds, "mix_stds", 1, D, "D, the sample dimension of samples");
+  check_size(q_mu, "q_mu", 0, D, "D, the sample dimension of samples");
+  check_size(q_std, "q_std", 0, D, "D, the sample dimension of samples");
+  check_same_float_dtype_and_device({{samples, "samples"},
+                                     {mix_weights, "mix_weights"},
+                                     {mix_mus, "mix_mus"},
+                                     {mix_stds, "mix_stds"},
+                                     {q_mu, "q_mu"},
+                                     {q_std, "q_std"}});
+  return {N, D, K};
+}
+
+using ImportanceSamplingResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+ImportanceSamplingResult importance_sampling_cpu(const at::Tensor& samples,
+                                                 const at::Tensor& mix_weights,
+                                                 const at::Tensor& mix_mus,
+                                                 const at::Tensor& mix_stds,
+                                                 const at::Tensor& q_mu, const at::Tensor& q_std);
+
+}  // namespace fused_ops

@@ -1,0 +1,40 @@
+"""fused_ops: fused PyTorch C++/CUDA operators for probabilistic ML.
+
+Ops (``torch.ops.fused_ops.*``, also as documented Python functions here):
+
+- :func:`importance_sampling` -- self-normalised importance sampling with a
+  Gaussian-mixture target and a diagonal Gaussian proposal.
+
+Modules that are drop-in replacements for the reference modules live in
+:mod:`fused_ops.nn`; the reference programs themselves in
+:mod:`fused_ops.reference`.
+"""
+
+from ._loader import load_library as _load_library
+
+_load_library()
+
+from . import nn, reference  # noqa: E402
+from .ops import importance_sampling  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["importance_sampling", "nn", "reference", "info"]
+
+
+def info():
+    """A dict describing this build: versions, compiled CUDA architectures,
+    the devices torch sees and the registered ops."""
+    from ._loader import build_info
+
+    import torch
+
+    return {
+        "fused_ops": __version__,
+        "built_with": build_info(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "ops": sorted(name for name in dir(torch.ops.fused_ops) if not name.startswith("_")
+                      and isinstance(getattr(torch.ops.fused_ops, name), torch._ops.OpOverloadPacket)),
+    }

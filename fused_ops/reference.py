@@ -1,0 +1,99 @@
+"""The reference programs: plain PyTorch, one small kernel per operation.
+
+These are the contract the fused operators are tested against (DESIGN.md
+section 2) and the baselines the benchmark times.  They are kept exactly as
+users write them; do not "optimise" them.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ImportanceSampler(nn.Module):
+    """Self-normalised importance sampling of a Gaussian-mixture target with a
+    diagonal Gaussian proposal.  ``forward(samples[N, D]) -> (weighted_mean[D], ess[])``."""
+
+    def __init__(self, dim, num_components=3):
+        super().__init__()
+        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
+        self.register_buffer("mix_mus", torch.randn(num_components, dim) * 2.0)
+        self.register_buffer("mix_stds", torch.ones(num_components, dim))
+        self.register_buffer("q_mu", torch.zeros(dim))
+        self.register_buffer("q_std", torch.ones(dim) * 3.0)
+
+    def forward(self, samples):
+        weighted_mean, ess, _ = importance_sampling(
+            samples, self.mix_weights, self.mix_mus, self.mix_stds, self.q_mu, self.q_std
+        )
+        return weighted_mean, ess
+
+
+def importance_sampling(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
+    """Functional form of :class:`ImportanceSampler`, returning
+    ``(weighted_mean[D], ess[], log_weights[N])`` like the fused op."""
+    x = samples
+    diff = (x[:, None, :] - mix_mus[None, :, :]) / mix_stds[None, :, :]
+    log_comp = (-0.5 * diff**2 - torch.log(mix_stds)[None, :, :]).sum(-1)
+    log_p = torch.logsumexp(log_comp + torch.log(mix_weights)[None, :], dim=-1)
+    log_q = (-0.5 * ((x - q_mu) / q_std) ** 2 - torch.log(q_std)).sum(-1)
+    log_w = log_p - log_q
+    log_w = log_w - torch.logsumexp(log_w, dim=0)
+    w = torch.exp(log_w)
+    return (w[:, None] * x).sum(0), 1.0 / (w**2).sum(), log_w
+
+
+class FlowODE(nn.Module):
+    """Probability-flow ODE sampler: ``num_steps`` Euler steps of an MLP
+    velocity field, time as the last input feature.  ``forward(x0[B, D]) -> x[B, D]``."""
+
+    def __init__(self, dim, num_steps):
+        super().__init__()
+        self.velocity = nn.Sequential(
+            nn.Linear(dim + 1, 4 * dim),
+            nn.SiLU(),
+            nn.Linear(4 * dim, 4 * dim),
+            nn.SiLU(),
+            nn.Linear(4 * dim, dim),
+        )
+        self.num_steps = num_steps
+        self.register_buffer("dt", torch.tensor(1.0 / num_steps))
+
+    def forward(self, x0):
+        x = x0
+        batch = x.shape[0]
+        for k in range(self.num_steps):
+            t = (k + 0.5) / self.num_steps
+            u = torch.cat([x, torch.full((batch, 1), t, dtype=x.dtype, device=x.device)], dim=-1)
+            x = x + self.dt * self.velocity(u)
+        return x
+
+
+class VAE(nn.Module):
+    """VAE forward pass with reparameterisation, BCE reconstruction and KL.
+    ``forward(x[B, I], eps=None) -> (elbo[B], recon[B], kl[B])``."""
+
+    def __init__(self, input_dim, hidden_dim, latent_dim):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(input_dim, hidden_dim), nn.ReLU())
+        self.fc_mu = nn.Linear(hidden_dim, latent_dim)
+        self.fc_logvar = nn.Linear(hidden_dim, latent_dim)
+        self.decoder = nn.Sequential(
+            nn.Linear(latent_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, input_dim),
+            nn.Sigmoid(),
+        )
+
+    def forward(self, x, eps=None):
+        h = self.encoder(x)
+        mu = self.fc_mu(h)
+        logvar = self.fc_logvar(h)
+        if eps is None:
+            eps = torch.randn_like(mu)
+        z = mu + torch.exp(0.5 * logvar) * eps
+        p = self.decoder(z)
+        recon = F.binary_cross_entropy(p, x, reduction="none").sum(-1)
+        kl = -0.5 * (1 + logvar - mu**2 - torch.exp(logvar)).sum(-1)
+        elbo = -(recon + kl)
+        return elbo, recon, kl
