@@ -33,10 +33,13 @@ struct LogSumExp {
 
   C10_HOST_DEVICE static LogSumExp empty() { return {-INFINITY, T(0)}; }
 
+  // One exp per value: only the side that is not the new maximum is rescaled.
+  // Written with selects, not branches, so the GPU runs it without divergence.
   C10_HOST_DEVICE void push(T v) {
-    const T m = nan_max(max, v);
-    sum = sum * rel_exp(max, m) + rel_exp(v, m);
-    max = m;
+    const bool up = v > max;
+    const T e = rel_exp(up ? max : v, up ? v : max);  // NaN in v or max gives NaN
+    sum = up ? sum * e + T(1) : sum + e;
+    max = up ? v : max;
   }
 
   C10_HOST_DEVICE static LogSumExp merge(const LogSumExp& a, const LogSumExp& b) {
