@@ -35,6 +35,7 @@ def info():
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "ops": sorted(name for name in dir(torch.ops.fused_ops) if not name.startswith("_")
-                      and isinstance(getattr(torch.ops.fused_ops, name), torch._ops.OpOverloadPacket)),
+        "ops": sorted(
+            name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fused_ops::")
+        ),
     }

@@ -12,28 +12,19 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common/logsumexp.h"
+#include "cpu/vec_math.h"
 #include "importance_sampling.h"
 
 namespace fused_ops {
 namespace {
 
 constexpr int64_t kChunk = 256;  // samples per partial; fixed for determinism
-
-// sum_d ((x_d - mu_d) * inv_std_d)^2, vectorisable over d.
-template <typename scalar_t>
-inline scalar_t sum_sq_scaled(const scalar_t* x, const scalar_t* mu, const scalar_t* inv_std,
-                              int64_t D) {
-  scalar_t acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < D; ++d) {
-    const scalar_t z = (x[d] - mu[d]) * inv_std[d];
-    acc += z * z;
-  }
-  return acc;
-}
+using cpu::kLanes;
+using cpu::Lanes;
 
 template <typename scalar_t>
 void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
@@ -42,23 +33,22 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
                                 int64_t K, scalar_t* weighted_mean, scalar_t* ess,
                                 scalar_t* log_weights) {
   using acc_t = double;
-  // Per-component constants: 1/std (a multiply in the hot loop instead of a
-  // divide) and log w_k - sum_d log std_kd.
-  std::vector<scalar_t> mix_inv_std(K * D), q_inv_std(D), log_norm(K);
-  for (int64_t k = 0; k < K; ++k) {
+  using V = Lanes<scalar_t>;
+  // Row K of mu / inv_std is the proposal, so one loop handles all K + 1
+  // densities.  1/std turns the divide of the reference into a multiply;
+  // log_norm = log w_k - sum_d log std_kd (proposal: -sum_d log q_std_d).
+  std::vector<scalar_t> mu((K + 1) * D), inv_std((K + 1) * D), log_norm(K + 1);
+  for (int64_t k = 0; k <= K; ++k) {
+    const scalar_t* m = k < K ? mix_mus + k * D : q_mu;
+    const scalar_t* sd = k < K ? mix_stds + k * D : q_std;
     acc_t log_det = 0;
     for (int64_t d = 0; d < D; ++d) {
-      mix_inv_std[k * D + d] = scalar_t(1) / mix_stds[k * D + d];
-      log_det += std::log(acc_t(mix_stds[k * D + d]));
+      mu[k * D + d] = m[d];
+      inv_std[k * D + d] = scalar_t(1) / sd[d];
+      log_det += std::log(acc_t(sd[d]));
     }
-    log_norm[k] = scalar_t(std::log(acc_t(mix_weights[k])) - log_det);
+    log_norm[k] = scalar_t((k < K ? std::log(acc_t(mix_weights[k])) : 0.0) - log_det);
   }
-  acc_t q_log_det = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    q_inv_std[d] = scalar_t(1) / q_std[d];
-    q_log_det += std::log(acc_t(q_std[d]));
-  }
-  const scalar_t q_log_norm = scalar_t(-q_log_det);
 
   const int64_t num_chunks = (N + kChunk - 1) / kChunk;
   // Per chunk: [max, sum exp(lw - max), sum exp(2 (lw - max)), sum exp(lw - max) x[0..D)].
@@ -66,33 +56,56 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
   std::vector<acc_t> partials(num_chunks * stride);
 
   at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+    // kLanes samples side by side: xt[d, :] holds x[., d] of a block of rows,
+    // dens[k] their log densities, so the arithmetic runs on whole vectors.
+    std::vector<scalar_t> xt(D * kLanes);
+    std::vector<V> dens(K + 1);
+    alignas(64) scalar_t lane_buf[kLanes];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i0 = c * kChunk, i1 = std::min(N, i0 + kChunk);
       // Pass 1: unnormalised log weights of the chunk, stored in the output.
-      scalar_t chunk_max = -INFINITY;
-      for (int64_t i = i0; i < i1; ++i) {
-        const scalar_t* xi = x + i * D;
-        LogSumExp<scalar_t> log_p = LogSumExp<scalar_t>::empty();
-        for (int64_t k = 0; k < K; ++k) {
-          log_p.push(scalar_t(-0.5) * sum_sq_scaled(xi, mix_mus + k * D, mix_inv_std.data() + k * D, D) +
-                     log_norm[k]);
+      for (int64_t b = i0; b < i1; b += kLanes) {
+        const int lanes = int(std::min<int64_t>(kLanes, i1 - b));
+        for (int s = 0; s < kLanes; ++s) {
+          const scalar_t* row = x + (b + std::min(s, lanes - 1)) * D;  // pad with a valid row
+          for (int64_t d = 0; d < D; ++d) xt[d * kLanes + s] = row[d];
         }
-        const scalar_t log_q = scalar_t(-0.5) * sum_sq_scaled(xi, q_mu, q_inv_std.data(), D) + q_log_norm;
-        const scalar_t lw = log_p.value() - log_q;
-        log_weights[i] = lw;
-        chunk_max = nan_max(chunk_max, lw);
+        for (int64_t k = 0; k <= K; ++k) {
+          const scalar_t* m = mu.data() + k * D;
+          const scalar_t* r = inv_std.data() + k * D;
+          V acc = {};
+          for (int64_t d = 0; d < D; ++d) {
+            const V z = (cpu::load_lanes(xt.data() + d * kLanes) - m[d]) * r[d];
+            acc += z * z;
+          }
+          dens[k] = scalar_t(-0.5) * acc + log_norm[k];
+        }
+        // log p = logsumexp over components: the max first, then one exp each.
+        V max = dens[0];
+        for (int64_t k = 1; k < K; ++k) max = cpu::nan_max(max, dens[k]);
+        V sum = {};
+        for (int64_t k = 0; k < K; ++k) sum += cpu::rel_exp(dens[k], max);
+        cpu::store_lanes(lane_buf, V((max + cpu::log(sum)) - dens[K]));
+        std::memcpy(log_weights + b, lane_buf, lanes * sizeof(scalar_t));
       }
+      scalar_t chunk_max = -INFINITY;
+      for (int64_t i = i0; i < i1; ++i) chunk_max = nan_max(chunk_max, log_weights[i]);
       // Pass 2 (chunk is cache-hot): weights relative to the chunk maximum.
       acc_t* part = partials.data() + c * stride;
       acc_t* wsum = part + 3;
       acc_t s = 0, t = 0;
-      for (int64_t i = i0; i < i1; ++i) {
-        const acc_t e = rel_exp(acc_t(log_weights[i]), acc_t(chunk_max));
-        s += e;
-        t += e * e;
-        const scalar_t* xi = x + i * D;
+      for (int64_t b = i0; b < i1; b += kLanes) {
+        const int lanes = int(std::min<int64_t>(kLanes, i1 - b));
+        for (int j = 0; j < kLanes; ++j) lane_buf[j] = j < lanes ? log_weights[b + j] : chunk_max;
+        cpu::store_lanes(lane_buf, cpu::rel_exp(cpu::load_lanes(lane_buf), V{} + chunk_max));
+        for (int j = 0; j < lanes; ++j) {
+          const acc_t e = lane_buf[j];
+          s += e;
+          t += e * e;
+          const scalar_t* xi = x + (b + j) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) wsum[d] += e * acc_t(xi[d]);
+          for (int64_t d = 0; d < D; ++d) wsum[d] += e * acc_t(xi[d]);
+        }
       }
       part[0] = chunk_max;
       part[1] = s;
