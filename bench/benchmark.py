@@ -30,6 +30,7 @@ import datetime
 import gc
 import importlib.util
 import json
+import os
 import platform
 import re
 import subprocess
@@ -55,6 +56,9 @@ SEED = 0
 ATOL = RTOL = 1e-4
 DEFAULT_OUT = BENCH_DIR / "results"
 QUICK_MIN_RUN_TIME = 0.01  # seconds
+TABLE_LEGEND = (
+    "times: median us per call; `x <baseline>` = baseline time / fused time (> 1: fused is faster)"
+)
 
 # Variant names in display order.  Peers (e.g. "torchdiffeq") sit between the
 # torch.compile rows and "fused"; see ``ordered_variants``.
@@ -101,7 +105,7 @@ class Workload:
     make_reference: Callable[[Params], torch.nn.Module]
     make_inputs: Callable[[Params], Inputs]
     make_fused: Optional[Callable[[torch.nn.Module], Callable]] = None
-    peers: Dict[str, "Peer"] = field(default_factory=dict)
+    peers: Dict[str, Peer] = field(default_factory=dict)
     targets_us: Dict[str, float] = field(default_factory=dict)
 
     def fused_available(self) -> bool:
@@ -332,12 +336,12 @@ def measure_variant(
     try:
         start = time.perf_counter()
         fn = build()
-        outputs = None
-        for _ in range(WARMUP_CALLS.get(name, DEFAULT_WARMUP_CALLS)):
-            outputs = fn(*inputs)
+        warmup_calls = WARMUP_CALLS.get(name, DEFAULT_WARMUP_CALLS)
+        for _ in range(warmup_calls):
+            fn(*inputs)
         synchronize(device)
-        result["warmup_s"] = round(time.perf_counter() - start, 3)
-        result["warmup_calls"] = WARMUP_CALLS.get(name, DEFAULT_WARMUP_CALLS)
+        result["warmup_s"] = round(time.perf_counter() - start, 3)  # includes compilation
+        result["warmup_calls"] = warmup_calls
 
         outputs = snapshot(fn(*inputs))
         if expected is not None and name != EAGER:
@@ -500,8 +504,10 @@ def resolve_device(choice: str) -> torch.device:
     """Map ``--device`` to a ``torch.device`` (``auto``: CUDA when available)."""
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but torch.cuda.is_available() is False")
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda, but torch.cuda.is_available() is False")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(choice)
 
 
@@ -538,6 +544,10 @@ def git_state() -> Tuple[Optional[str], Optional[bool]]:
 
     commit = git("rev-parse", "--short", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
+    if commit is None and os.environ.get("FUSED_OPS_GIT_COMMIT"):
+        # A copy of the tree without .git (e.g. on a remote GPU machine): the
+        # caller passes the commit it was copied from.
+        return os.environ["FUSED_OPS_GIT_COMMIT"], None
     return commit, (None if status is None else bool(status))
 
 
@@ -557,6 +567,8 @@ def collect_metadata(device: torch.device, args: argparse.Namespace, min_run_tim
         "git_commit": commit,
         "git_dirty": dirty,
         "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "fused_ops_version": getattr(fused_ops, "__version__", None),
         "min_run_time_s": min_run_time,
@@ -565,7 +577,7 @@ def collect_metadata(device: torch.device, args: argparse.Namespace, min_run_tim
         "timer": "torch.utils.benchmark.Timer.blocked_autorange, median per call",
         "tolerance": {"atol": ATOL, "rtol": RTOL},
         "seed": SEED,
-        "argv": sys.argv[1:],
+        "argv": list(args.argv),
     }
     if device.type == "cuda":
         meta["device_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
@@ -612,10 +624,10 @@ def build_table(rows: Sequence[Dict[str, Any]], cuda: bool) -> Tuple[List[str], 
     """Headers and cells shared by the stdout and markdown tables."""
     variants = ordered_variants(rows)
     baselines = [n for n in variants if n != FUSED]
-    headers = ["workload", "size", "shape"] + [f"{n} us" for n in variants]
-    headers += [f"x vs {n}" for n in baselines]
+    headers = ["workload", "size", "shape"] + list(variants)
+    headers += [f"x {n}" for n in baselines]
     if cuda:
-        headers += ["target us", "fused/target"]
+        headers += ["target", "fused/target"]
     cells = []
     for row in rows:
         line = [row["workload"], row["size"], row["shape"]]
@@ -663,11 +675,12 @@ def format_markdown(meta: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str
         f"- torch {meta['torch_version']}, CUDA {meta['cuda_version']}, Python {meta['python_version']}",
         f"- date (UTC): {meta['date_utc']}",
         f"- git commit: {commit}",
-        f"- CPU threads: {meta['num_threads']}; float32 matmul precision: {meta['float32_matmul_precision']}",
-        f"- timing: median us per call, back-to-back calls, `blocked_autorange(min_run_time={meta['min_run_time_s']:g})`,"
-        " under `torch.no_grad()`; `fused` is an eager call (no CUDA graph)",
-        f"- `x vs <baseline>` = baseline time / fused time; outputs checked against eager "
-        f"with atol = rtol = {ATOL:g}",
+        f"- CPU threads: {meta['num_threads']} of {meta['cpu_count']} cores; load average at start: "
+        + (f"{meta['load_avg_1m']:.2f}" if meta["load_avg_1m"] is not None else "n/a")
+        + f"; float32 matmul precision: {meta['float32_matmul_precision']}",
+        f"- timing: back-to-back calls, `blocked_autorange(min_run_time={meta['min_run_time_s']:g})`,"
+        " under `torch.no_grad()`, after warm-up; `fused` is an eager call (no CUDA graph)",
+        f"- {TABLE_LEGEND}; outputs checked against eager with atol = rtol = {ATOL:g}",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(headers))) + "|",
@@ -744,7 +757,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="skip the torch.compile variants (quick checks)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny minimum run time ({QUICK_MIN_RUN_TIME:g} s) for smoke tests")
-    return parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args
 
 
 def select_workloads(spec: Optional[str]) -> List[Workload]:
@@ -796,11 +812,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"(skipping {', '.join(skipped)}: no fused implementation yet; name them in --ops "
               "to time the baselines)", flush=True)
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     meta = collect_metadata(device, args, min_run_time)
     print(f"device: {meta['device']} | torch {meta['torch_version']} (CUDA {meta['cuda_version']}) | "
           f"threads {meta['num_threads']} | min_run_time {min_run_time:g}s", flush=True)
+    if meta["load_avg_1m"] is not None and meta["load_avg_1m"] >= 1.0:
+        print(f"warning: load average {meta['load_avg_1m']:.2f}: other processes are running, "
+              "timings (CPU ones especially) will be noisy", flush=True)
 
     rows = []
     for workload in workloads:
@@ -811,7 +828,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows.append(row)
 
     headers, cells = build_table(rows, device.type == "cuda")
-    print()
+    print(f"\n{TABLE_LEGEND}\n")
     print(format_text_table(headers, cells))
     mismatches = [f"{r['workload']}/{r['size']}" for r in rows if r.get("match") is False]
     if mismatches:

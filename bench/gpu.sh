@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Everything a CUDA change needs before it is done, in one run on a GPU machine:
+# build, the test suite, compute-sanitizer (memcheck, racecheck, initcheck) over
+# a small run of every kernel path, and the benchmark.
+#
+#   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
+#
+# A copy of the tree without .git can pass FUSED_OPS_GIT_COMMIT=<sha> so the
+# benchmark results record the commit they measured.
+# Made for the device tool (at most 8 files come back): the logs are packed
+# into one tarball; the benchmark's JSON/markdown/PNG and a summary sit beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+
+stage() {  # stage NAME CMD...: run, log, record status and duration
+  local name=$1
+  shift
+  local t0=$SECONDS
+  "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  printf '%-12s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$SUMMARY"
+  return $rc
+}
+
+{
+  date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", sys.version.split()[0])'
+  nvcc --version | tail -n 2
+} | tee -a "$SUMMARY"
+
+if ! stage build $PY -m pip install --no-build-isolation --no-deps -v -e .; then
+  tail -n 60 "$LOGS/build.log"
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+  exit 1
+fi
+stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra tests
+tail -n 15 "$LOGS/tests.log"
+for tool in memcheck racecheck initcheck; do
+  stage "$tool" timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 99 $PY bench/sanitize_run.py
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
+done
+stage bench timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" ${BENCH_ARGS:-}
+cat "$LOGS/bench.log"
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+cat "$SUMMARY"
