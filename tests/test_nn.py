@@ -1,0 +1,365 @@
+"""Tests of the fused module fused_ops.nn.ImportanceSampler and fused_ops.nn.convert
+(DESIGN.md section 3: same constructor, same buffers, checkpoints load strictly,
+identical construction under one seed, conversion of model trees sharing storage).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import fused_ops
+from fused_ops import reference
+from fused_ops.nn import ImportanceSampler, convert
+from fused_test_utils import requires_cuda, tol
+
+BUFFERS = ("mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
+SIZES = [pytest.param(1, 1, id="D1-K1"), pytest.param(16, 3, id="D16-K3"), pytest.param(33, 8, id="D33-K8")]
+
+
+# --- user-side modules ------------------------------------------------------
+
+
+class UserSampler(nn.Module):
+    """A user's own copy of the reference module under another name: same
+    buffers, created in the same order, its own forward."""
+
+    def __init__(self, dim, num_components=3):
+        super().__init__()
+        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
+        self.register_buffer("mix_mus", torch.randn(num_components, dim) * 2.0)
+        self.register_buffer("mix_stds", torch.ones(num_components, dim))
+        self.register_buffer("q_mu", torch.zeros(dim))
+        self.register_buffer("q_std", torch.ones(dim) * 3.0)
+
+    def forward(self, samples):
+        x = samples
+        diff = (x[:, None, :] - self.mix_mus[None]) / self.mix_stds[None]
+        log_comp = (-0.5 * diff**2 - torch.log(self.mix_stds)[None]).sum(-1)
+        log_p = torch.logsumexp(log_comp + torch.log(self.mix_weights)[None], dim=-1)
+        log_q = (-0.5 * ((x - self.q_mu) / self.q_std) ** 2 - torch.log(self.q_std)).sum(-1)
+        log_w = log_p - log_q
+        w = torch.softmax(log_w, 0)
+        return (w[:, None] * x).sum(0), 1.0 / (w**2).sum()
+
+
+class ExtraParamSampler(UserSampler):
+    """Same buffers plus a learnable parameter: not a reference module."""
+
+    def __init__(self, dim, num_components=3):
+        super().__init__(dim, num_components)
+        self.temperature = nn.Parameter(torch.ones(()))
+
+
+class WrongShapeSampler(nn.Module):
+    """Same buffer names, inconsistent shapes (mix_mus has D+1 columns)."""
+
+    def __init__(self, dim, num_components=3):
+        super().__init__()
+        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
+        self.register_buffer("mix_mus", torch.randn(num_components, dim + 1))
+        self.register_buffer("mix_stds", torch.ones(num_components, dim))
+        self.register_buffer("q_mu", torch.zeros(dim))
+        self.register_buffer("q_std", torch.ones(dim))
+
+
+class WrongRankSampler(WrongShapeSampler):
+    def __init__(self, dim, num_components=3):
+        super().__init__(dim, num_components)
+        self.mix_mus = torch.randn(num_components, dim)
+        self.mix_weights = torch.ones(1, num_components)  # [1, K] instead of [K]
+
+
+class MissingBufferSampler(nn.Module):
+    def __init__(self, dim, num_components=3):
+        super().__init__()
+        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
+        self.register_buffer("mix_mus", torch.randn(num_components, dim))
+        self.register_buffer("mix_stds", torch.ones(num_components, dim))
+        self.register_buffer("q_mu", torch.zeros(dim))
+
+
+class ExtraBufferSampler(UserSampler):
+    def __init__(self, dim, num_components=3):
+        super().__init__(dim, num_components)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+
+class ChildSampler(UserSampler):
+    def __init__(self, dim, num_components=3):
+        super().__init__(dim, num_components)
+        self.post = nn.Identity()
+
+
+NON_MATCHING = {
+    "linear": lambda: nn.Linear(4, 4),
+    "extra_parameter": lambda: ExtraParamSampler(4, 2),
+    "wrong_shapes": lambda: WrongShapeSampler(4, 2),
+    "wrong_rank": lambda: WrongRankSampler(4, 2),
+    "missing_buffer": lambda: MissingBufferSampler(4, 2),
+    "extra_buffer": lambda: ExtraBufferSampler(4, 2),
+    "submodule": lambda: ChildSampler(4, 2),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.sampler = UserSampler(dim, 2)
+        self.decoy = WrongShapeSampler(dim, 2)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.blocks = nn.Sequential(Block(4), Block(4))  # samplers two levels down
+        self.head = reference.ImportanceSampler(4, 3)
+        self.extra = ExtraParamSampler(4, 2)
+        self.table = nn.ModuleDict({"ref": reference.ImportanceSampler(3, 1), "lin": nn.Linear(2, 2)})
+
+
+def _randomise(module):
+    """Non-default buffer values, so equality checks have something to check."""
+    with torch.no_grad():
+        module.mix_weights.copy_(torch.rand_like(module.mix_weights) + 0.1)
+        module.mix_stds.copy_(torch.rand_like(module.mix_stds) + 0.5)
+        module.q_mu.copy_(torch.randn_like(module.q_mu))
+        module.q_std.copy_(torch.rand_like(module.q_std) + 2.0)
+    return module
+
+
+# --- construction and checkpoints --------------------------------------------
+
+
+@pytest.mark.parametrize("dim,k", SIZES)
+def test_construction_under_one_seed_equals_reference(dim, k, seed):
+    torch.manual_seed(seed)
+    ref = reference.ImportanceSampler(dim, k)
+    after_ref = torch.rand(8)  # the generator state construction left behind
+    torch.manual_seed(seed)
+    fused = ImportanceSampler(dim, k)
+    after_fused = torch.rand(8)
+    assert torch.equal(after_ref, after_fused), "construction consumed different random numbers"
+    ref_buffers, fused_buffers = dict(ref.named_buffers()), dict(fused.named_buffers())
+    assert list(fused_buffers) == list(ref_buffers) == list(BUFFERS)
+    for name in BUFFERS:
+        r, f = ref_buffers[name], fused_buffers[name]
+        assert f.dtype == r.dtype and f.shape == r.shape, name
+        assert torch.equal(f, r), name
+    assert list(fused.parameters()) == []
+    assert f"dim={dim}" in repr(fused) and f"num_components={k}" in repr(fused)
+
+
+@pytest.mark.parametrize("dim,k", SIZES)
+def test_state_dict_keys_identical_and_ordered(dim, k):
+    ref_sd = reference.ImportanceSampler(dim, k).state_dict()
+    fused_sd = ImportanceSampler(dim, k).state_dict()
+    assert list(fused_sd) == list(ref_sd)
+    for key in ref_sd:
+        assert fused_sd[key].shape == ref_sd[key].shape and fused_sd[key].dtype == ref_sd[key].dtype
+
+
+@pytest.mark.parametrize("dim,k", SIZES)
+def test_load_state_dict_strict_both_ways(dim, k):
+    ref = _randomise(reference.ImportanceSampler(dim, k))
+    fused = ImportanceSampler(dim, k)  # other random mix_mus, default rest
+    result = fused.load_state_dict(ref.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for name in BUFFERS:
+        assert torch.equal(getattr(fused, name), getattr(ref, name)), name
+    x = torch.randn(257, dim) * 3
+    for f, r in zip(fused(x), ref(x)):
+        torch.testing.assert_close(f, r, **tol(torch.float32))
+
+    _randomise(fused)
+    back = reference.ImportanceSampler(dim, k)
+    back.load_state_dict(fused.state_dict(), strict=True)
+    for name in BUFFERS:
+        assert torch.equal(getattr(back, name), getattr(fused, name)), name
+
+
+def test_load_state_dict_strict_rejects_wrong_shape():
+    fused = ImportanceSampler(4, 3)
+    with pytest.raises(RuntimeError, match="mix_mus"):
+        fused.load_state_dict(reference.ImportanceSampler(5, 3).state_dict(), strict=True)
+
+
+# --- forward ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim,k", SIZES)
+def test_forward_matches_reference(dim, k, device):
+    ref = _randomise(reference.ImportanceSampler(dim, k)).to(device)
+    fused = ImportanceSampler.from_reference(ref)
+    x = torch.randn(4096, dim, device=device) * 3
+    got, want = fused(x), ref(x)
+    assert isinstance(got, tuple) and len(got) == 2
+    assert got[0].shape == (dim,) and got[1].shape == ()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    mean, ess, lw = fused.forward_with_log_weights(x)
+    want3 = reference.importance_sampling(x, *(getattr(ref, n) for n in BUFFERS))
+    for g, w in zip((mean, ess, lw), want3):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    assert torch.equal(mean, got[0]) and torch.equal(ess, got[1])
+
+
+def test_to_float64():
+    ref = _randomise(reference.ImportanceSampler(5, 3)).to(dtype=torch.float64)
+    fused = _randomise(ImportanceSampler(5, 3))
+    fused = fused.to(dtype=torch.float64)
+    assert all(getattr(fused, n).dtype == torch.float64 for n in BUFFERS)
+    fused.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(1000, 5, dtype=torch.float64) * 3
+    got = fused(x)
+    assert all(t.dtype == torch.float64 for t in got)
+    for g, w in zip(got, ref(x)):
+        torch.testing.assert_close(g, w, **tol(torch.float64))
+
+
+@requires_cuda
+def test_module_cuda():
+    ref = _randomise(reference.ImportanceSampler(16, 3))
+    fused = ImportanceSampler(16, 3)
+    fused.load_state_dict(ref.state_dict())
+    fused = fused.cuda()
+    ref = ref.cuda()
+    assert all(getattr(fused, n).is_cuda for n in BUFFERS)
+    x = torch.randn(4096, 16, device="cuda") * 3
+    got = fused(x)
+    assert all(t.is_cuda for t in got)
+    for g, w in zip(got, ref(x)):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    # A converted CPU model moved to the GPU afterwards.
+    model = convert(nn.Sequential(nn.Linear(16, 16), _randomise(reference.ImportanceSampler(16, 3)))).cuda()
+    assert isinstance(model[1], ImportanceSampler)
+    y = model[0](x)
+    for g, w in zip(model[1](y), reference.importance_sampling(y, *(getattr(model[1], n) for n in BUFFERS))[:2]):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+
+
+# --- from_reference / matches ----------------------------------------------------
+
+
+def test_from_reference_shares_storage(device):
+    ref = _randomise(reference.ImportanceSampler(8, 3)).to(device)
+    fused = ImportanceSampler.from_reference(ref)
+    assert isinstance(fused, ImportanceSampler)
+    for name in BUFFERS:
+        assert getattr(fused, name).data_ptr() == getattr(ref, name).data_ptr(), name
+    x = torch.randn(2000, 8, device=device) * 3
+    before = fused(x)
+    with torch.no_grad():
+        ref.mix_mus.add_(0.75)
+        ref.q_std.mul_(1.5)
+    after = fused(x)
+    assert not torch.equal(after[0], before[0])
+    for g, w in zip(after, ref(x)):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    # ... and the other way round.
+    with torch.no_grad():
+        fused.mix_weights[0] = 5.0
+    assert ref.mix_weights[0].item() == 5.0
+
+
+def test_from_reference_user_copy_and_training_flag():
+    user = _randomise(UserSampler(6, 4)).eval()
+    fused = ImportanceSampler.from_reference(user)
+    assert not fused.training
+    assert list(fused.state_dict()) == list(user.state_dict())
+    x = torch.randn(500, 6) * 3
+    for g, w in zip(fused(x), user(x)):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("kind", list(NON_MATCHING))
+def test_from_reference_rejects_non_matching(kind):
+    module = NON_MATCHING[kind]()
+    assert not ImportanceSampler.matches(module)
+    with pytest.raises(ValueError, match=type(module).__name__):
+        ImportanceSampler.from_reference(module)
+
+
+def test_matches_accepts_references():
+    assert ImportanceSampler.matches(reference.ImportanceSampler(4, 2))
+    assert ImportanceSampler.matches(UserSampler(7, 1))
+    assert ImportanceSampler.matches(ImportanceSampler(3, 5))
+
+
+# --- convert ---------------------------------------------------------------------------
+
+
+def test_convert_model_tree():
+    model = Model()
+    for m in model.modules():
+        if isinstance(m, (UserSampler, reference.ImportanceSampler)):
+            _randomise(m)
+    sd_before = model.state_dict()
+    ptrs_before = {k: v.data_ptr() for k, v in sd_before.items()}
+    originals = dict(model.named_modules())
+    x = torch.randn(300, 4) * 3
+    outputs_before = {
+        name: originals[name](x)
+        for name in ("blocks.0.sampler", "blocks.1.sampler", "head")
+    }
+
+    converted = convert(model)
+    assert converted is model
+    modules = dict(model.named_modules())
+
+    # Swapped: reference modules, including the user's own copy two levels down.
+    for name in ("blocks.0.sampler", "blocks.1.sampler", "head", "table.ref"):
+        assert isinstance(modules[name], ImportanceSampler), name
+        assert not isinstance(originals[name], ImportanceSampler)
+        for b in BUFFERS:
+            assert getattr(modules[name], b).data_ptr() == getattr(originals[name], b).data_ptr()
+    for name, want in outputs_before.items():
+        for g, w in zip(modules[name](x), want):
+            torch.testing.assert_close(g, w, **tol(torch.float32))
+
+    # Untouched: everything else is the very same object.
+    for name in ("", "encoder", "blocks", "blocks.0", "blocks.1", "blocks.0.proj", "blocks.0.decoy",
+                 "blocks.1.decoy", "extra", "table", "table.lin"):
+        assert modules[name] is originals[name], name
+    assert type(model.blocks[0].decoy) is WrongShapeSampler
+    assert type(model.extra) is ExtraParamSampler
+    assert type(model.table["lin"]) is nn.Linear
+
+    # The checkpoint is unchanged: same keys in the same order, same storage.
+    sd_after = model.state_dict()
+    assert list(sd_after) == list(sd_before)
+    assert {k: v.data_ptr() for k, v in sd_after.items()} == ptrs_before
+    Model().load_state_dict(sd_after, strict=True)
+
+
+def test_convert_bare_reference_module(device):
+    ref = _randomise(reference.ImportanceSampler(5, 2)).to(device)
+    fused = convert(ref)
+    assert isinstance(fused, ImportanceSampler)
+    for name in BUFFERS:
+        assert getattr(fused, name).data_ptr() == getattr(ref, name).data_ptr()
+    x = torch.randn(100, 5, device=device)
+    for g, w in zip(fused(x), ref(x)):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+
+
+def test_convert_leaves_non_matching_and_fused_alone():
+    for kind, make in NON_MATCHING.items():
+        module = make()
+        assert convert(module) is module, kind
+    fused = ImportanceSampler(3, 2)
+    assert convert(fused) is fused
+    model = convert(convert(Model()))  # idempotent
+    assert isinstance(model.head, ImportanceSampler)
+
+
+def test_converted_model_under_compile():
+    torch._dynamo.reset()
+    model = convert(nn.Sequential(nn.Linear(4, 4), _randomise(reference.ImportanceSampler(4, 3))))
+    x = torch.randn(512, 4)
+    with torch.no_grad():
+        want = model(x)
+        got = torch.compile(model, fullgraph=True)(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
