@@ -124,7 +124,11 @@ def write_build_info():
 
 def extensions():
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx_flags = ["-O3", "-fopenmp-simd"]  # torch picks the C++ standard it needs
+    # torch picks the C++ standard.  -fopenmp: at::parallel_for is an inline
+    # OpenMP loop in the headers and runs serially without it; the GOMP symbols
+    # bind to the libgomp torch has already loaded.
+    cxx_flags = ["-O3", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     define_macros = []
     if WITH_CUDA:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
@@ -140,7 +144,7 @@ def extensions():
                 include_dirs=[os.path.join(ROOT, "csrc")],
                 define_macros=define_macros,
                 extra_compile_args={"cxx": cxx_flags + isystem, "nvcc": nvcc_flags},
-                py_limited_api=False,
+                extra_link_args=link_flags,
             )
         ]
     return [
@@ -150,6 +154,7 @@ def extensions():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
         )
     ]
 

@@ -12,7 +12,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common/logsumexp.h"
@@ -22,9 +24,118 @@
 namespace fused_ops {
 namespace {
 
-constexpr int64_t kChunk = 256;  // samples per partial; fixed for determinism
-using cpu::kLanes;
-using cpu::Lanes;
+constexpr int64_t kMaxChunk = 256;  // samples per partial (see `chunk` below)
+
+template <typename T>
+struct ChunkArgs {
+  const T* x;
+  int64_t N, D, K, chunk;
+  const T* mu;        // [K + 1, D], row K: the proposal
+  const T* inv_std;   // [K + 1, D]
+  const T* log_norm;  // [K + 1]
+  T* log_weights;     // [N], unnormalised here
+  double* partials;   // [num_chunks, D + 3]
+};
+
+// Chunks [c0, c1): each chunk's unnormalised log weights and its partial
+// [max, sum exp(lw - max), sum exp(2 (lw - max)), sum exp(lw - max) x[0..D)].
+// Samples sit in SIMD lanes of B bytes: xt[d, i] = x[i0 + i, d], dens[k, i] is
+// log density k of sample i0 + i, and every loop runs over whole vectors of
+// independent samples, so the exp/log polynomials of neighbouring vectors
+// overlap in the pipeline.  Force-inlined into the ISA-specific entry points.
+template <typename T, int B>
+FUSED_OPS_INLINE void chunk_range(const ChunkArgs<T>& a, int64_t c0, int64_t c1) {
+  using V = cpu::Lanes<T, B>;
+  using acc_t = double;
+  constexpr int L = cpu::kLanes<T, B>;
+  const int64_t D = a.D, K = a.K, chunk = a.chunk;
+  // xt rows are padded by one cache line so that they do not all map to the
+  // same L1 sets (chunk * sizeof(T) is a power of two for most D).
+  const int64_t ld = chunk + 64 / int64_t(sizeof(T));
+  std::vector<T> xt(D * ld), dens((K + 1) * chunk), w(chunk);
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t i0 = c * chunk, n = std::min(a.N, i0 + chunk) - i0;
+    const int64_t n_padded = (n + L - 1) / L * L;
+    for (int64_t i = 0; i < n_padded; ++i) {
+      const T* row = a.x + (i0 + std::min(i, n - 1)) * D;  // pad with a valid row
+      for (int64_t d = 0; d < D; ++d) xt[d * ld + i] = row[d];
+    }
+    // Log densities: sum_d ((x - mu) / std)^2 in four interleaved partial sums
+    // (one running float32 sum loses accuracy as D grows: at D = 128 it is ~3x
+    // further from float64 than the reference's pairwise torch.sum).
+    for (int64_t k = 0; k <= K; ++k) {
+      const T* m = a.mu + k * D;
+      const T* r = a.inv_std + k * D;
+      for (int64_t i = 0; i < n_padded; i += L) {
+        auto sq = [&](int64_t d) {
+          const V z = (cpu::load_lanes<V>(xt.data() + d * ld + i) - m[d]) * r[d];
+          return z * z;
+        };
+        V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        int64_t d = 0;
+        for (; d + 4 <= D; d += 4) {
+          a0 += sq(d);
+          a1 += sq(d + 1);
+          a2 += sq(d + 2);
+          a3 += sq(d + 3);
+        }
+        if (d < D) a0 += sq(d++);
+        if (d < D) a1 += sq(d++);
+        if (d < D) a2 += sq(d++);
+        cpu::store_lanes<V>(dens.data() + k * chunk + i,
+                            T(-0.5) * ((a0 + a1) + (a2 + a3)) + a.log_norm[k]);
+      }
+    }
+    // lw = logsumexp_k(dens[k]) - dens[K]: the max first, then one exp per
+    // component.  Stored unnormalised in the output.
+    V vmax = V{} - std::numeric_limits<T>::infinity();
+    for (int64_t i = 0; i < n_padded; i += L) {
+      auto at = [&](int64_t k) { return cpu::load_lanes<V>(dens.data() + k * chunk + i); };
+      V max = at(0);
+      for (int64_t k = 1; k < K; ++k) max = cpu::nan_max(max, at(k));
+      V sum = {};
+      for (int64_t k = 0; k < K; ++k) sum += cpu::rel_exp(at(k), max);
+      const V lw = (max + cpu::log(sum)) - at(K);
+      cpu::store_lanes<V>(w.data() + i, lw);
+      vmax = cpu::nan_max(vmax, lw);  // padding lanes repeat a real sample
+    }
+    std::memcpy(a.log_weights + i0, w.data(), n * sizeof(T));
+    T chunk_max = vmax[0];
+    for (int j = 1; j < L; ++j) chunk_max = nan_max(chunk_max, vmax[j]);
+    // Weights relative to the chunk maximum, and the chunk's sums (x is cache-hot).
+    for (int64_t i = 0; i < n_padded; i += L) {
+      cpu::store_lanes<V>(w.data() + i, cpu::rel_exp(cpu::load_lanes<V>(w.data() + i), V{} + chunk_max));
+    }
+    acc_t* part = a.partials + c * (D + 3);
+    acc_t* wsum = part + 3;
+    acc_t s = 0, t = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t e = w[i];
+      s += e;
+      t += e * e;
+      const T* xi = a.x + (i0 + i) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) wsum[d] += e * acc_t(xi[d]);
+    }
+    part[0] = chunk_max;
+    part[1] = s;
+    part[2] = t;
+  }
+}
+
+// The ISA-specific entry points: baseline 16-byte vectors, and 32-byte AVX2 +
+// FMA vectors on CPUs that have them (cpu::cpu_has_avx2()).
+template <typename T>
+void chunk_range_baseline(const ChunkArgs<T>& a, int64_t c0, int64_t c1) {
+  chunk_range<T, 16>(a, c0, c1);
+}
+
+#if FUSED_OPS_HAVE_AVX2_CLONE
+template <typename T>
+FUSED_OPS_TARGET_AVX2 void chunk_range_avx2(const ChunkArgs<T>& a, int64_t c0, int64_t c1) {
+  chunk_range<T, 32>(a, c0, c1);
+}
+#endif
 
 template <typename scalar_t>
 void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
@@ -33,7 +144,6 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
                                 int64_t K, scalar_t* weighted_mean, scalar_t* ess,
                                 scalar_t* log_weights) {
   using acc_t = double;
-  using V = Lanes<scalar_t>;
   // Row K of mu / inv_std is the proposal, so one loop handles all K + 1
   // densities.  1/std turns the divide of the reference into a multiply;
   // log_norm = log w_k - sum_d log std_kd (proposal: -sum_d log q_std_d).
@@ -50,68 +160,20 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
     log_norm[k] = scalar_t((k < K ? std::log(acc_t(mix_weights[k])) : 0.0) - log_det);
   }
 
-  const int64_t num_chunks = (N + kChunk - 1) / kChunk;
-  // Per chunk: [max, sum exp(lw - max), sum exp(2 (lw - max)), sum exp(lw - max) x[0..D)].
+  // Chunks: a multiple of every vector width, a transposed copy that stays in
+  // L1 (<= ~16 KB), fixed for given D (never by thread count) so results are
+  // reproducible.
+  const int64_t chunk = std::clamp<int64_t>(int64_t(4096) / std::max<int64_t>(D, 1) / 16 * 16, 16, kMaxChunk);
+  const int64_t num_chunks = (N + chunk - 1) / chunk;
   const int64_t stride = D + 3;
   std::vector<acc_t> partials(num_chunks * stride);
-
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
-    // kLanes samples side by side: xt[d, :] holds x[., d] of a block of rows,
-    // dens[k] their log densities, so the arithmetic runs on whole vectors.
-    std::vector<scalar_t> xt(D * kLanes);
-    std::vector<V> dens(K + 1);
-    alignas(64) scalar_t lane_buf[kLanes];
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t i0 = c * kChunk, i1 = std::min(N, i0 + kChunk);
-      // Pass 1: unnormalised log weights of the chunk, stored in the output.
-      for (int64_t b = i0; b < i1; b += kLanes) {
-        const int lanes = int(std::min<int64_t>(kLanes, i1 - b));
-        for (int s = 0; s < kLanes; ++s) {
-          const scalar_t* row = x + (b + std::min(s, lanes - 1)) * D;  // pad with a valid row
-          for (int64_t d = 0; d < D; ++d) xt[d * kLanes + s] = row[d];
-        }
-        for (int64_t k = 0; k <= K; ++k) {
-          const scalar_t* m = mu.data() + k * D;
-          const scalar_t* r = inv_std.data() + k * D;
-          V acc = {};
-          for (int64_t d = 0; d < D; ++d) {
-            const V z = (cpu::load_lanes(xt.data() + d * kLanes) - m[d]) * r[d];
-            acc += z * z;
-          }
-          dens[k] = scalar_t(-0.5) * acc + log_norm[k];
-        }
-        // log p = logsumexp over components: the max first, then one exp each.
-        V max = dens[0];
-        for (int64_t k = 1; k < K; ++k) max = cpu::nan_max(max, dens[k]);
-        V sum = {};
-        for (int64_t k = 0; k < K; ++k) sum += cpu::rel_exp(dens[k], max);
-        cpu::store_lanes(lane_buf, V((max + cpu::log(sum)) - dens[K]));
-        std::memcpy(log_weights + b, lane_buf, lanes * sizeof(scalar_t));
-      }
-      scalar_t chunk_max = -INFINITY;
-      for (int64_t i = i0; i < i1; ++i) chunk_max = nan_max(chunk_max, log_weights[i]);
-      // Pass 2 (chunk is cache-hot): weights relative to the chunk maximum.
-      acc_t* part = partials.data() + c * stride;
-      acc_t* wsum = part + 3;
-      acc_t s = 0, t = 0;
-      for (int64_t b = i0; b < i1; b += kLanes) {
-        const int lanes = int(std::min<int64_t>(kLanes, i1 - b));
-        for (int j = 0; j < kLanes; ++j) lane_buf[j] = j < lanes ? log_weights[b + j] : chunk_max;
-        cpu::store_lanes(lane_buf, cpu::rel_exp(cpu::load_lanes(lane_buf), V{} + chunk_max));
-        for (int j = 0; j < lanes; ++j) {
-          const acc_t e = lane_buf[j];
-          s += e;
-          t += e * e;
-          const scalar_t* xi = x + (b + j) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) wsum[d] += e * acc_t(xi[d]);
-        }
-      }
-      part[0] = chunk_max;
-      part[1] = s;
-      part[2] = t;
-    }
-  });
+  const ChunkArgs<scalar_t> args{x, N, D, K, chunk, mu.data(), inv_std.data(), log_norm.data(),
+                                 log_weights, partials.data()};
+  auto* range = &chunk_range_baseline<scalar_t>;
+#if FUSED_OPS_HAVE_AVX2_CLONE
+  if (cpu::cpu_has_avx2()) range = &chunk_range_avx2<scalar_t>;
+#endif
+  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) { range(args, c0, c1); });
 
   // Merge the chunk partials in order.
   LogSumExp<acc_t> total = LogSumExp<acc_t>::empty();

@@ -1,8 +1,11 @@
 // Fixed-width SIMD lanes and branch-free exp/log for the CPU kernels.
 //
-// Lanes<T> is a GCC/Clang vector of kLanes values (16 floats: four SSE or two
-// AVX registers); arithmetic on it compiles to vector instructions for any
-// x86-64 or Arm baseline, with no runtime dispatch.  libm's expf/logf do not
+// Lanes<T, B> is a GCC/Clang vector of one B-byte register: 16 bytes (SSE2 /
+// NEON, the baseline of every x86-64 and AArch64 CPU) or 32 (AVX2).  Use a
+// width the code is compiled for: wider generic vectors are lowered element by
+// element for comparisons and selects.  Everything here is force-inlined so a
+// caller compiled for AVX2 (see FUSED_OPS_TARGET_AVX2) gets AVX2 code, and no
+// out-of-line copy compiled for one ISA can be picked for another.  libm's expf/logf do not
 // vectorise, and the ops spend most CPU time in them, so float gets Cephes-style
 // polynomial versions (max error 1.4 ulp for exp, 1.3 for log; exp returns 0
 // below -87 and inf above 88, where the true result is < 1.6e-38 or > 1.6e38).
@@ -11,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -23,50 +27,75 @@
 namespace fused_ops {
 namespace cpu {
 
-constexpr int kLanes = 16;
+#define FUSED_OPS_INLINE inline __attribute__((always_inline))
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FUSED_OPS_HAVE_AVX2_CLONE 1
+#define FUSED_OPS_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define FUSED_OPS_HAVE_AVX2_CLONE 0
+#define FUSED_OPS_TARGET_AVX2
+#endif
 
-template <typename T>
+// Whether to run the AVX2 + FMA versions of the kernels: the CPU has them and
+// ATEN_CPU_CAPABILITY (torch's own switch) does not ask for "default".
+inline bool cpu_has_avx2() {
+#if FUSED_OPS_HAVE_AVX2_CLONE
+  static const bool has = [] {
+    const char* capability = std::getenv("ATEN_CPU_CAPABILITY");
+    if (capability && std::strcmp(capability, "default") == 0) return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+template <typename T, int B>
 struct LanesOf {
-  typedef T type __attribute__((vector_size(kLanes * sizeof(T))));
+  typedef T type __attribute__((vector_size(B)));
 };
-template <typename T>
-using Lanes = typename LanesOf<T>::type;
+template <typename T, int B>
+using Lanes = typename LanesOf<T, B>::type;
+template <typename T, int B>
+constexpr int kLanes = B / int(sizeof(T));
 
 // Element type of a Lanes vector (the functions below take the vector type V
 // itself as template parameter: T cannot be deduced through the typedef).
 template <typename V>
 using elem_t = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<V>()[0])>>;
 
-template <typename T>
-inline Lanes<T> load_lanes(const T* p) {
-  Lanes<T> v;
-  std::memcpy(&v, p, sizeof(v));
+template <typename V>
+FUSED_OPS_INLINE V load_lanes(const elem_t<V>* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-template <typename T>
-inline void store_lanes(T* p, const Lanes<T>& v) {
-  std::memcpy(p, &v, sizeof(v));
+template <typename V>
+FUSED_OPS_INLINE void store_lanes(elem_t<V>* p, const V& v) {
+  __builtin_memcpy(p, &v, sizeof(v));
 }
 
 // max() that propagates NaN (see common/logsumexp.h), lane-wise.
 template <typename V>
-inline V nan_max(const V& a, const V& b) {
+FUSED_OPS_INLINE V nan_max(const V& a, const V& b) {
   return (a > b || a != a) ? a : b;
 }
 
 template <typename V>
-inline V exp(const V& x) {
+FUSED_OPS_INLINE V exp(const V& x) {
   using T = elem_t<V>;
+  constexpr int B = sizeof(V);
   if constexpr (std::is_same_v<T, float>) {
-    using I = Lanes<int32_t>;
-    const Lanes<float> c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    using I = Lanes<int32_t, B>;
+    const V c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     // exp(x) = 2^n exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two).
-    Lanes<float> n = c * 1.44269504088896341f + 0.5f;
-    const Lanes<float> t = __builtin_convertvector(__builtin_convertvector(n, I), Lanes<float>);
+    V n = c * 1.44269504088896341f + 0.5f;
+    const V t = __builtin_convertvector(__builtin_convertvector(n, I), V);
     n = t > n ? t - 1.0f : t;  // floor
-    const Lanes<float> r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    Lanes<float> p = Lanes<float>{} + 1.9875691500e-4f;
+    const V r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    V p = V{} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
@@ -74,31 +103,32 @@ inline V exp(const V& x) {
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
     const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-    Lanes<float> y = p * (Lanes<float>)bits;
+    V y = p * (V)bits;
     y = x < -87.0f ? 0.0f : y;
     y = x > 88.0f ? std::numeric_limits<float>::infinity() : y;
     return x != x ? x : y;
   } else {
     V y;
-    for (int i = 0; i < kLanes; ++i) y[i] = std::exp(x[i]);
+    for (int i = 0; i < kLanes<T, B>; ++i) y[i] = std::exp(x[i]);
     return y;
   }
 }
 
 template <typename V>
-inline V log(const V& x) {
+FUSED_OPS_INLINE V log(const V& x) {
   using T = elem_t<V>;
+  constexpr int B = sizeof(V);
   if constexpr (std::is_same_v<T, float>) {
-    using I = Lanes<int32_t>;
+    using I = Lanes<int32_t, B>;
     // x = m 2^e with m in [sqrt(1/2), sqrt(2)); log x = log1p(m - 1) + e ln 2.
     const I bits = (I)x;
-    Lanes<float> e = __builtin_convertvector(((bits >> 23) & 0xff) - 126, Lanes<float>);
-    Lanes<float> m = (Lanes<float>)((bits & 0x807fffff) | 0x3f000000);  // [0.5, 1)
+    V e = __builtin_convertvector(((bits >> 23) & 0xff) - 126, V);
+    V m = (V)((bits & 0x807fffff) | 0x3f000000);  // [0.5, 1)
     const auto small = m < 0.707106781186547524f;
     e = small ? e - 1.0f : e;
     m = small ? m + m - 1.0f : m - 1.0f;
-    const Lanes<float> z = m * m;
-    Lanes<float> p = Lanes<float>{} + 7.0376836292e-2f;
+    const V z = m * m;
+    V p = V{} + 7.0376836292e-2f;
     p = p * m - 1.1514610310e-1f;
     p = p * m + 1.1676998740e-1f;
     p = p * m - 1.2420140846e-1f;
@@ -107,7 +137,7 @@ inline V log(const V& x) {
     p = p * m + 2.0000714765e-1f;
     p = p * m - 2.4999993993e-1f;
     p = p * m + 3.3333331174e-1f;
-    Lanes<float> y = p * m * z + e * -2.12194440e-4f - 0.5f * z;
+    V y = p * m * z + e * -2.12194440e-4f - 0.5f * z;
     y = m + y + e * 0.693359375f;
     constexpr float inf = std::numeric_limits<float>::infinity();
     y = x == 0.0f ? -inf : y;
@@ -115,14 +145,14 @@ inline V log(const V& x) {
     return (x < 0.0f || x != x) ? std::numeric_limits<float>::quiet_NaN() : y;
   } else {
     V y;
-    for (int i = 0; i < kLanes; ++i) y[i] = std::log(x[i]);
+    for (int i = 0; i < kLanes<T, B>; ++i) y[i] = std::log(x[i]);
     return y;
   }
 }
 
 // exp(v - max) with v == max giving exactly 1 (see rel_exp in common/logsumexp.h).
 template <typename V>
-inline V rel_exp(const V& v, const V& max) {
+FUSED_OPS_INLINE V rel_exp(const V& v, const V& max) {
   return v == max ? V{} + elem_t<V>(1) : cpu::exp(v - max);
 }
 

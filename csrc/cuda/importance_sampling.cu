@@ -295,9 +295,11 @@ importance_sampling_fast_kernel(const Args<T> a) {
   prepare_parameters(a, stride, mu, inv_std, q_mu, q_inv_std, log_norm, threadIdx.x, blockDim.x);
   __syncthreads();
 
-  // Sum over the row of ((x - mu) * inv_std)^2 for one parameter row.
+  // Sum over the row of ((x - mu) * inv_std)^2 for one parameter row.  Two
+  // interleaved partial sums halve the dependent-add chain and keep the
+  // float32 rounding of long rows close to torch.sum's pairwise order.
   auto sum_sq = [&](const T* mu_k, const T* inv_k) {
-    T acc = 0;
+    T acc[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < CH; ++j) {
       const int c = lane_in_group + j * G;
@@ -306,11 +308,12 @@ importance_sampling_fast_kernel(const Args<T> a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         const T z = (x[j * VEC + e] - m.v[e]) * r.v[e];
-        acc += z * z;
+        acc[(j * VEC + e) % 2] += z * z;
       }
     }
-    if constexpr (!SINGLE) acc = cuda::group_allreduce(acc, G);
-    return acc;
+    T total = acc[0] + acc[1];
+    if constexpr (!SINGLE) total = cuda::group_allreduce(total, G);
+    return total;
   };
 
   GroupState<T> state;
