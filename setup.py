@@ -125,10 +125,12 @@ def write_build_info():
 def extensions():
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     # torch picks the C++ standard.  -fopenmp: at::parallel_for is an inline
-    # OpenMP loop in the headers and runs serially without it; the GOMP symbols
-    # bind to the libgomp torch has already loaded.
+    # OpenMP loop in the headers and runs serially without it.  Compile with it
+    # but do not link an OpenMP runtime: the GOMP_* symbols must bind to the one
+    # torch loaded (globally, for extensions); a second libgomp in the process
+    # (torch wheels may vendor theirs under another name) crashes.
     cxx_flags = ["-O3", "-fopenmp"]
-    link_flags = ["-fopenmp"]
+    link_flags = []
     define_macros = []
     if WITH_CUDA:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
