@@ -17,6 +17,10 @@ mkdir -p "$LOGS"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
+# Build with the system compiler (the one torch was built with).  On the H200
+# image CXX points at /opt/gcc/bin/g++, and the extension it built crashed in
+# libstdc++ stream code (inside our .so) on the first error message.
+export CXX=${FUSED_OPS_CXX:-g++} CC=${FUSED_OPS_CC:-gcc}
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
