@@ -129,34 +129,25 @@ def extensions():
     # but do not link an OpenMP runtime: the GOMP_* symbols must bind to the one
     # torch loaded (globally, for extensions); a second libgomp in the process
     # (torch wheels may vendor theirs under another name) crashes.
-    cxx_flags = ["-O3", "-fopenmp"]
-    link_flags = []
+    compile_args = {"cxx": ["-O3", "-fopenmp"]}
     define_macros = []
+    extension = CppExtension
     if WITH_CUDA:
+        extension = CUDAExtension
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         isystem = [f for d in cuda_library_include_dirs() for f in ("-isystem", d)]
+        compile_args["cxx"] += isystem
         # No --use_fast_math: expf/logf must stay accurate, the ops are compared
         # with the reference at 1e-4 and against a float64 run of it.
-        nvcc_flags = ["-O3", "-lineinfo"] + isystem
+        compile_args["nvcc"] = ["-O3", "-lineinfo"] + isystem
         define_macros.append(("FUSED_OPS_WITH_CUDA", None))
-        return [
-            CUDAExtension(
-                "fused_ops._C",
-                sources,
-                include_dirs=[os.path.join(ROOT, "csrc")],
-                define_macros=define_macros,
-                extra_compile_args={"cxx": cxx_flags + isystem, "nvcc": nvcc_flags},
-                extra_link_args=link_flags,
-            )
-        ]
     return [
-        CppExtension(
+        extension(
             "fused_ops._C",
             sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
-            extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=link_flags,
+            extra_compile_args=compile_args,
         )
     ]
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <tuple>
 
@@ -44,6 +45,33 @@ inline ImportanceSamplingSizes check_importance_sampling_args(
 }
 
 using ImportanceSamplingResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// One call's checked sizes, contiguous inputs and freshly allocated outputs:
+// everything a device wrapper needs before it launches its kernel.
+struct ImportanceSamplingCall {
+  int64_t N, D, K;
+  at::Tensor x, mix_weights, mix_mus, mix_stds, q_mu, q_std;
+  at::Tensor weighted_mean, ess, log_weights;
+
+  ImportanceSamplingCall(const at::Tensor& samples, const at::Tensor& mix_weights_,
+                         const at::Tensor& mix_mus_, const at::Tensor& mix_stds_,
+                         const at::Tensor& q_mu_, const at::Tensor& q_std_) {
+    const auto sizes =
+        check_importance_sampling_args(samples, mix_weights_, mix_mus_, mix_stds_, q_mu_, q_std_);
+    N = sizes.N, D = sizes.D, K = sizes.K;
+    x = samples.contiguous();
+    mix_weights = mix_weights_.contiguous();
+    mix_mus = mix_mus_.contiguous();
+    mix_stds = mix_stds_.contiguous();
+    q_mu = q_mu_.contiguous();
+    q_std = q_std_.contiguous();
+    weighted_mean = at::empty({D}, samples.options());
+    ess = at::empty({}, samples.options());
+    log_weights = at::empty({N}, samples.options());
+  }
+
+  ImportanceSamplingResult result() const { return {weighted_mean, ess, log_weights}; }
+};
 
 ImportanceSamplingResult importance_sampling_cpu(const at::Tensor& samples,
                                                  const at::Tensor& mix_weights,

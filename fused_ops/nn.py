@@ -9,32 +9,24 @@ reference modules are recognised by structure (attribute names, shapes),
 never by class.
 """
 
-import torch
 from torch import nn
 
-from . import ops
+from . import ops, reference
 
 __all__ = ["ImportanceSampler", "convert"]
 
 
-class ImportanceSampler(nn.Module):
+class ImportanceSampler(reference.ImportanceSampler):
     """Fused self-normalised importance sampler.
 
-    Same buffers as the reference (``mix_weights [K]``, ``mix_mus [K, D]``,
-    ``mix_stds [K, D]``, ``q_mu [D]``, ``q_std [D]``).
+    Built by the reference's constructor, so the buffers (``mix_weights [K]``,
+    ``mix_mus [K, D]``, ``mix_stds [K, D]``, ``q_mu [D]``, ``q_std [D]``), their
+    names, creation order and, under one seed, values are the reference's.
     ``forward(samples [N, D]) -> (weighted_mean [D], ess [])``; the normalised
     log weights are available from :meth:`forward_with_log_weights`.
     """
 
     _buffer_names = ("mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
-
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim) * 2.0)
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-        self.register_buffer("q_std", torch.ones(dim) * 3.0)
 
     def forward_with_log_weights(self, samples):
         """``(weighted_mean [D], ess [], log_weights [N])``."""

@@ -205,21 +205,16 @@ ImportanceSamplingResult importance_sampling_cpu(const at::Tensor& samples,
                                                  const at::Tensor& mix_mus,
                                                  const at::Tensor& mix_stds,
                                                  const at::Tensor& q_mu, const at::Tensor& q_std) {
-  const auto [N, D, K] =
-      check_importance_sampling_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
-  const auto x = samples.contiguous(), w = mix_weights.contiguous(), mu = mix_mus.contiguous(),
-             sd = mix_stds.contiguous(), qm = q_mu.contiguous(), qs = q_std.contiguous();
-  auto weighted_mean = at::empty({D}, samples.options());
-  auto ess = at::empty({}, samples.options());
-  auto log_weights = at::empty({N}, samples.options());
+  ImportanceSamplingCall c(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
   AT_DISPATCH_FLOATING_TYPES(samples.scalar_type(), "importance_sampling_cpu", [&] {
     importance_sampling_kernel<scalar_t>(
-        x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), mu.data_ptr<scalar_t>(),
-        sd.data_ptr<scalar_t>(), qm.data_ptr<scalar_t>(), qs.data_ptr<scalar_t>(), N, D, K,
-        weighted_mean.data_ptr<scalar_t>(), ess.data_ptr<scalar_t>(),
-        log_weights.data_ptr<scalar_t>());
+        c.x.data_ptr<scalar_t>(), c.mix_weights.data_ptr<scalar_t>(),
+        c.mix_mus.data_ptr<scalar_t>(), c.mix_stds.data_ptr<scalar_t>(),
+        c.q_mu.data_ptr<scalar_t>(), c.q_std.data_ptr<scalar_t>(), c.N, c.D, c.K,
+        c.weighted_mean.data_ptr<scalar_t>(), c.ess.data_ptr<scalar_t>(),
+        c.log_weights.data_ptr<scalar_t>());
   });
-  return {weighted_mean, ess, log_weights};
+  return c.result();
 }
 
 TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("importance_sampling", &importance_sampling_cpu); }

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <optional>
 
 #include "common/logsumexp.h"
 #include "cuda/cooperative.cuh"
@@ -534,21 +535,19 @@ ImportanceSamplingResult importance_sampling_cuda(const at::Tensor& samples,
                                                   const at::Tensor& mix_mus,
                                                   const at::Tensor& mix_stds,
                                                   const at::Tensor& q_mu, const at::Tensor& q_std) {
-  const auto [N, D, K] =
-      check_importance_sampling_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
+  // samples may be the CPU tensor of a CPU/CUDA mix: the checks in
+  // ImportanceSamplingCall then name it, so only guard a CUDA device here.
+  const c10::cuda::OptionalCUDAGuard guard(
+      samples.is_cuda() ? std::make_optional(samples.device()) : std::nullopt);
+  ImportanceSamplingCall c(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
   TORCH_CHECK(samples.is_cuda(), "samples must be a CUDA tensor, got ", samples.device());
-  TORCH_CHECK(D <= INT_MAX && K <= INT_MAX, "importance_sampling: D and K must fit in int32, got D=",
-              D, ", K=", K);
-  const c10::cuda::CUDAGuard guard(samples.device());
-  const auto x = samples.contiguous(), w = mix_weights.contiguous(), mu = mix_mus.contiguous(),
-             sd = mix_stds.contiguous(), qm = q_mu.contiguous(), qs = q_std.contiguous();
-  auto weighted_mean = at::empty({D}, samples.options());
-  auto ess = at::empty({}, samples.options());
-  auto log_weights = at::empty({N}, samples.options());
+  TORCH_CHECK(c.D <= INT_MAX && c.K <= INT_MAX,
+              "importance_sampling: D and K must fit in int32, got D=", c.D, ", K=", c.K);
   AT_DISPATCH_FLOATING_TYPES(samples.scalar_type(), "importance_sampling_cuda", [&] {
-    importance_sampling_launch<scalar_t>(x, w, mu, sd, qm, qs, weighted_mean, ess, log_weights);
+    importance_sampling_launch<scalar_t>(c.x, c.mix_weights, c.mix_mus, c.mix_stds, c.q_mu,
+                                         c.q_std, c.weighted_mean, c.ess, c.log_weights);
   });
-  return {weighted_mean, ess, log_weights};
+  return c.result();
 }
 
 }  // namespace
