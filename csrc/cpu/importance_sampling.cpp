@@ -56,14 +56,21 @@ FUSED_OPS_INLINE void chunk_range(const ChunkArgs<T>& a, int64_t c0, int64_t c1)
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t i0 = c * chunk, n = std::min(a.N, i0 + chunk) - i0;
     const int64_t n_padded = (n + L - 1) / L * L;
-    // Transpose d-major: contiguous stores, strided loads (which the CPU
-    // overlaps far better than stores scattered over D rows).  Padding lanes
-    // repeat the last row.
+    // Transpose the chunk into xt: L x L blocks in registers, the last
+    // D % L columns element by element.  Padding lanes repeat the last row.
     const T* rows = a.x + i0 * D;
-    for (int64_t d = 0; d < D; ++d) {
+    const int64_t d_blocked = D / L * L;
+    for (int64_t i = 0; i < n_padded; i += L) {
+      for (int64_t d = 0; d < d_blocked; d += L) {
+        V block[L];
+        for (int r = 0; r < L; ++r) block[r] = cpu::load_lanes<V>(rows + std::min(i + r, n - 1) * D + d);
+        cpu::transpose_lanes(block);
+        for (int j = 0; j < L; ++j) cpu::store_lanes<V>(xt.data() + (d + j) * ld + i, block[j]);
+      }
+    }
+    for (int64_t d = d_blocked; d < D; ++d) {
       T* out = xt.data() + d * ld;
-      for (int64_t i = 0; i < n; ++i) out[i] = rows[i * D + d];
-      for (int64_t i = n; i < n_padded; ++i) out[i] = rows[(n - 1) * D + d];
+      for (int64_t i = 0; i < n_padded; ++i) out[i] = rows[std::min(i, n - 1) * D + d];
     }
     // Log densities: sum_d ((x - mu) / std)^2 in four interleaved partial sums
     // (one running float32 sum loses accuracy as D grows: at D = 128 it is ~3x

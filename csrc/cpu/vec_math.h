@@ -150,6 +150,45 @@ FUSED_OPS_INLINE V log(const V& x) {
   }
 }
 
+// Transposes the L x L block held in rows[0..L) (L = lanes of V, a power of
+// two) in registers: after the call rows[j][i] is the old rows[i][j].  log2(L)
+// rounds of pairwise shuffles (Eklundh's algorithm) with compile-time masks,
+// which compile to unpack / shuffle / permute instructions instead of L * L
+// scalar moves.  Round W pairs rows r and r + W (r & W == 0):
+//   new_r[j]     = (j & W) ? R[r + W][j - W] : R[r][j]
+//   new_{r+W}[j] = (j & W) ? R[r + W][j]     : R[r][j + W]
+// (__builtin_shuffle indexes a as 0..L-1 and b as L..2L-1).
+template <typename I, int L, int W, size_t... J>
+constexpr I transpose_mask_lo(std::index_sequence<J...>) {
+  return I{((int(J) & W) ? L + int(J) - W : int(J))...};
+}
+template <typename I, int L, int W, size_t... J>
+constexpr I transpose_mask_hi(std::index_sequence<J...>) {
+  return I{((int(J) & W) ? L + int(J) : int(J) + W)...};
+}
+
+template <typename V, int W>
+FUSED_OPS_INLINE void transpose_round(V* rows) {
+  constexpr int L = int(sizeof(V) / sizeof(elem_t<V>));
+  using I = std::conditional_t<sizeof(elem_t<V>) == 4, Lanes<int32_t, sizeof(V)>,
+                               Lanes<int64_t, sizeof(V)>>;
+  constexpr I lo = transpose_mask_lo<I, L, W>(std::make_index_sequence<L>{});
+  constexpr I hi = transpose_mask_hi<I, L, W>(std::make_index_sequence<L>{});
+#pragma GCC unroll 8
+  for (int r = 0; r < L; ++r) {
+    if (r & W) continue;
+    const V a = rows[r], b = rows[r + W];
+    rows[r] = __builtin_shuffle(a, b, lo);
+    rows[r + W] = __builtin_shuffle(a, b, hi);
+  }
+  if constexpr (W > 1) transpose_round<V, W / 2>(rows);
+}
+
+template <typename V>
+FUSED_OPS_INLINE void transpose_lanes(V* rows) {
+  transpose_round<V, int(sizeof(V) / sizeof(elem_t<V>)) / 2>(rows);
+}
+
 // exp(v - max) with v == max giving exactly 1 (see rel_exp in common/logsumexp.h).
 template <typename V>
 FUSED_OPS_INLINE V rel_exp(const V& v, const V& max) {
