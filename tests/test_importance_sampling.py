@@ -469,8 +469,11 @@ def test_compile_backward(device):
 
     eager = torch.autograd.grad(loss(*args), args)
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
+    # Inductor fuses the backward's reductions and sums in another order; some
+    # gradients (q_std's: sums over N that nearly cancel) then differ by ~1e-4
+    # relative in float32, so compare at the float32 contract of DESIGN.md 2.
     for name, a, b in zip(ARG_NAMES, compiled, eager):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"grad {n}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
 # ---------------------------------------------------------------------------
