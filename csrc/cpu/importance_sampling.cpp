@@ -3,7 +3,8 @@
 // Samples are cut into fixed-size chunks (independent of the thread count);
 // each chunk yields a partial (max, sum-exp, sum-exp^2, weighted sum of x) and
 // the partials are merged in chunk order, so the result is bitwise the same for
-// any number of threads.  Cross-sample sums accumulate in double.
+// any number of threads.  Within a chunk, sums run in SIMD-lane partial sums
+// (each over at most chunk / lanes samples); lanes and chunks are added in double.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
