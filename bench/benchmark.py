@@ -542,12 +542,12 @@ def git_state() -> Tuple[Optional[str], Optional[bool]]:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    if os.environ.get("FUSED_OPS_GIT_COMMIT"):
+        # A copy of the tree on a remote GPU machine, whose .git (if any) may
+        # not match the files: the caller names the commit it copied.
+        return os.environ["FUSED_OPS_GIT_COMMIT"], None
     commit = git("rev-parse", "--short", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
-    if commit is None and os.environ.get("FUSED_OPS_GIT_COMMIT"):
-        # A copy of the tree without .git (e.g. on a remote GPU machine): the
-        # caller passes the commit it was copied from.
-        return os.environ["FUSED_OPS_GIT_COMMIT"], None
     return commit, (None if status is None else bool(status))
 
 
