@@ -110,6 +110,8 @@ def build_info():
         "cuda_version": torch.version.cuda if WITH_CUDA else None,
         "cuda_arch_list": arches,
         "with_cuda": WITH_CUDA,
+        "min_torch": ".".join(map(str, MIN_TORCH)),
+        "stable_abi": True,
     }
 
 
@@ -122,14 +124,23 @@ def write_build_info():
         f.write(text)
 
 
+# The extension is built against the LibTorch stable ABI (torch/csrc/stable)
+# and the Python limited API, so one wheel serves every torch release from
+# TORCH_TARGET_VERSION on and every CPython from PY_LIMITED_API on.
+MIN_TORCH = (2, 11)
+TORCH_TARGET_VERSION = f"0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
+# torch's build_ext defines Py_LIMITED_API for py_limited_api
+# extensions (CPython 3.10); the abi3 tag below says the same.
+
+
 def extensions():
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    # torch picks the C++ standard.  -fopenmp: at::parallel_for is an inline
-    # OpenMP loop in the headers and runs serially without it.  Compile with it
-    # but do not link an OpenMP runtime: the GOMP_* symbols must bind to the one
-    # torch loaded (globally, for extensions); a second libgomp in the process
-    # (torch wheels may vendor theirs under another name) crashes.
-    compile_args = {"cxx": ["-O3", "-fopenmp"]}
+    # torch picks the C++ standard.  The CPU kernels parallelise through
+    # torch::stable::parallel_for (torch's own thread pool), so no OpenMP here.
+    # -fvisibility=hidden: the stable ABI's types are hidden, and nothing but
+    # PyInit__C needs to leave the library.
+    abi = ["-DTORCH_TARGET_VERSION=" + TORCH_TARGET_VERSION]
+    compile_args = {"cxx": ["-O3", "-fvisibility=hidden"] + abi}
     define_macros = []
     extension = CppExtension
     if WITH_CUDA:
@@ -139,8 +150,9 @@ def extensions():
         compile_args["cxx"] += isystem
         # No --use_fast_math: expf/logf must stay accurate, the ops are compared
         # with the reference at 1e-4 and against a float64 run of it.
-        compile_args["nvcc"] = ["-O3", "-lineinfo"] + isystem
-        define_macros.append(("FUSED_OPS_WITH_CUDA", None))
+        compile_args["nvcc"] = ["-O3", "-lineinfo", "-Xcompiler", "-fvisibility=hidden"] + abi + isystem
+        # USE_CUDA exposes the CUDA part of the stable C shim (current stream).
+        define_macros += [("FUSED_OPS_WITH_CUDA", None), ("USE_CUDA", None)]
     return [
         extension(
             "fused_ops._C",
@@ -148,6 +160,7 @@ def extensions():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
             extra_compile_args=compile_args,
+            py_limited_api=True,
         )
     ]
 
@@ -157,5 +170,6 @@ write_build_info()
 setup(
     packages=find_packages(include=["fused_ops", "fused_ops.*"]),
     ext_modules=extensions(),
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -3,19 +3,21 @@
 // fake (meta) implementations and autograd live in Python (fused_ops/ops.py).
 
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 // A Python module with no functions: importing fused_ops._C loads this shared
 // library, whose static initialisers register the ops with the dispatcher.
-// Written against the limited C API so the module init itself is ABI-stable.
+// Built against the Python limited API (Py_LIMITED_API, setup.py), so the one
+// abi3 shared library loads into every CPython from 3.10 on; the ops register
+// through the LibTorch stable ABI, so it also loads into several torch releases.
 extern "C" {
-PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
 }
 }
 
-TORCH_LIBRARY(fused_ops, m) {
+STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "importance_sampling(Tensor samples, Tensor mix_weights, Tensor mix_mus, Tensor mix_stds, "
       "Tensor q_mu, Tensor q_std) -> (Tensor weighted_mean, Tensor ess, Tensor log_weights)");

@@ -2,8 +2,7 @@
 // CUDA wrappers, and the per-device entry points.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <tuple>
 
@@ -16,8 +15,8 @@ struct ImportanceSamplingSizes {
 };
 
 inline ImportanceSamplingSizes check_importance_sampling_args(
-    const at::Tensor& samples, const at::Tensor& mix_weights, const at::Tensor& mix_mus,
-    const at::Tensor& mix_stds, const at::Tensor& q_mu, const at::Tensor& q_std) {
+    const Tensor& samples, const Tensor& mix_weights, const Tensor& mix_mus,
+    const Tensor& mix_stds, const Tensor& q_mu, const Tensor& q_std) {
   check_rank(samples, "samples", 2, "[N, D]");
   check_rank(mix_weights, "mix_weights", 1, "[K]");
   check_rank(mix_mus, "mix_mus", 2, "[K, D]");
@@ -25,10 +24,10 @@ inline ImportanceSamplingSizes check_importance_sampling_args(
   check_rank(q_mu, "q_mu", 1, "[D]");
   check_rank(q_std, "q_std", 1, "[D]");
   const int64_t N = samples.size(0), D = samples.size(1), K = mix_weights.size(0);
-  TORCH_CHECK(N >= 1, "samples must hold at least one sample (N >= 1): the self-normalised ",
-              "weights are undefined for N = 0, got shape ", samples.sizes());
-  TORCH_CHECK(K >= 1, "mix_weights must hold at least one mixture component (K >= 1), got shape ",
-              mix_weights.sizes());
+  FUSED_OPS_CHECK(N >= 1, "samples must hold at least one sample (N >= 1): the self-normalised ",
+                  "weights are undefined for N = 0, got shape ", shape_str(samples));
+  FUSED_OPS_CHECK(K >= 1, "mix_weights must hold at least one mixture component (K >= 1), got shape ",
+                  shape_str(mix_weights));
   check_size(mix_mus, "mix_mus", 0, K, "K, the number of mixture components in mix_weights");
   check_size(mix_mus, "mix_mus", 1, D, "D, the sample dimension of samples");
   check_size(mix_stds, "mix_stds", 0, K, "K, the number of mixture components in mix_weights");
@@ -44,39 +43,39 @@ inline ImportanceSamplingSizes check_importance_sampling_args(
   return {N, D, K};
 }
 
-using ImportanceSamplingResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using ImportanceSamplingResult = std::tuple<Tensor, Tensor, Tensor>;
 
 // One call's checked sizes, contiguous inputs and freshly allocated outputs:
 // everything a device wrapper needs before it launches its kernel.
 struct ImportanceSamplingCall {
   int64_t N, D, K;
-  at::Tensor x, mix_weights, mix_mus, mix_stds, q_mu, q_std;
-  at::Tensor weighted_mean, ess, log_weights;
+  Tensor x, mix_weights, mix_mus, mix_stds, q_mu, q_std;
+  Tensor weighted_mean, ess, log_weights;
 
-  ImportanceSamplingCall(const at::Tensor& samples, const at::Tensor& mix_weights_,
-                         const at::Tensor& mix_mus_, const at::Tensor& mix_stds_,
-                         const at::Tensor& q_mu_, const at::Tensor& q_std_) {
+  ImportanceSamplingCall(const Tensor& samples, const Tensor& mix_weights_,
+                         const Tensor& mix_mus_, const Tensor& mix_stds_,
+                         const Tensor& q_mu_, const Tensor& q_std_) {
     const auto sizes =
         check_importance_sampling_args(samples, mix_weights_, mix_mus_, mix_stds_, q_mu_, q_std_);
     N = sizes.N, D = sizes.D, K = sizes.K;
-    x = samples.contiguous();
-    mix_weights = mix_weights_.contiguous();
-    mix_mus = mix_mus_.contiguous();
-    mix_stds = mix_stds_.contiguous();
-    q_mu = q_mu_.contiguous();
-    q_std = q_std_.contiguous();
-    weighted_mean = at::empty({D}, samples.options());
-    ess = at::empty({}, samples.options());
-    log_weights = at::empty({N}, samples.options());
+    x = as_contiguous(samples);
+    mix_weights = as_contiguous(mix_weights_);
+    mix_mus = as_contiguous(mix_mus_);
+    mix_stds = as_contiguous(mix_stds_);
+    q_mu = as_contiguous(q_mu_);
+    q_std = as_contiguous(q_std_);
+    weighted_mean = empty_like_device(samples, {D});
+    ess = empty_like_device(samples, {});
+    log_weights = empty_like_device(samples, {N});
   }
 
   ImportanceSamplingResult result() const { return {weighted_mean, ess, log_weights}; }
 };
 
-ImportanceSamplingResult importance_sampling_cpu(const at::Tensor& samples,
-                                                 const at::Tensor& mix_weights,
-                                                 const at::Tensor& mix_mus,
-                                                 const at::Tensor& mix_stds,
-                                                 const at::Tensor& q_mu, const at::Tensor& q_std);
+ImportanceSamplingResult importance_sampling_cpu(const Tensor& samples,
+                                                 const Tensor& mix_weights,
+                                                 const Tensor& mix_mus,
+                                                 const Tensor& mix_stds,
+                                                 const Tensor& q_mu, const Tensor& q_std);
 
 }  // namespace fused_ops

@@ -17,21 +17,41 @@ def build_info():
         from . import _build_info as b
     except ImportError:
         return None
-    return {k: getattr(b, k) for k in ("torch_version", "cuda_version", "cuda_arch_list", "with_cuda")}
+    keys = ("torch_version", "cuda_version", "cuda_arch_list", "with_cuda", "min_torch", "stable_abi")
+    return {k: getattr(b, k, None) for k in keys}
 
 
 def _release(version):
-    return version.split("+")[0].split(".")[:2]
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+
+
+def check_compatible(info, torch_version, torch_cuda):
+    """Why this build cannot load into the given torch, or None if it can.
+
+    The extension uses only the LibTorch stable ABI, which newer torch
+    releases keep: it loads into every torch from ``min_torch`` on.  Its CUDA
+    kernels link the CUDA runtime of the major version they were built with.
+    """
+    built = f"fused_ops was built with torch {info['torch_version']}"
+    if _release(torch_version) < _release(info["min_torch"]):
+        return (
+            f"{built} for the stable ABI of torch >= {info['min_torch']}, but torch "
+            f"{torch_version} is installed."
+        )
+    if info["with_cuda"] and torch_cuda is not None:
+        if info["cuda_version"].split(".")[0] != torch_cuda.split(".")[0]:
+            return (
+                f"{built} and CUDA {info['cuda_version']}, but the installed torch {torch_version} "
+                f"uses CUDA {torch_cuda}; the CUDA major versions must match."
+            )
+    return None
 
 
 def load_library():
     info = build_info()
-    if info is not None and _release(info["torch_version"]) != _release(torch.__version__):
-        raise ImportError(
-            f"fused_ops._C was built for torch {info['torch_version']} but torch "
-            f"{torch.__version__} is installed; the C++ ABI differs between torch releases. "
-            + _REBUILD
-        )
+    problem = None if info is None else check_compatible(info, torch.__version__, torch.version.cuda)
+    if problem:
+        raise ImportError(problem + " " + _REBUILD)
     try:
         importlib.import_module("fused_ops._C")
     except ImportError as e:

@@ -2,40 +2,139 @@
 //
 // Every message names the argument and says what was expected, so a user who
 // passes the wrong thing sees which one (DESIGN.md section 4).
+//
+// Written against the LibTorch stable ABI (torch/csrc/stable): the wrappers
+// see torch::stable::Tensor only, so one build of the extension loads into
+// every torch release from TORCH_TARGET_VERSION (setup.py) on.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
 
 #include <initializer_list>
+#include <stdexcept>
+#include <sstream>
+#include <string>
 #include <utility>
 
 namespace fused_ops {
+namespace detail {
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return s.str();
+}
+}  // namespace detail
 
-using NamedTensor = std::pair<const at::Tensor&, const char*>;
+// Like STD_TORCH_CHECK, but the message is only what the caller wrote (no
+// function/file/line prefix): these errors are for users, not for us.  The
+// stable ABI turns the std::runtime_error into a Python RuntimeError.
+#define FUSED_OPS_CHECK(cond, ...)                                   \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      throw std::runtime_error(::fused_ops::detail::cat(__VA_ARGS__)); \
+    }                                                                \
+  } while (0)
 
-inline void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* layout) {
-  TORCH_CHECK(t.dim() == rank, name, " must be a ", rank, "-D tensor ", layout, ", got shape ",
-              t.sizes());
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+
+// "[4, 16]": the stable ABI's size arrays have no stream operator.
+inline std::string shape_str(const Tensor& t) {
+  std::ostringstream s;
+  s << "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s << (i ? ", " : "") << t.size(i);
+  s << "]";
+  return s.str();
 }
 
-inline void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected,
+inline std::string device_str(const Tensor& t) {
+  if (t.is_cpu()) return "cpu";
+  if (t.is_cuda()) return "cuda:" + std::to_string(int(t.get_device_index()));
+  return "device type " + std::to_string(int(t.device().type()));
+}
+
+inline const char* dtype_str(ScalarType dtype) {
+  switch (dtype) {
+    case ScalarType::Float: return "float32";
+    case ScalarType::Double: return "float64";
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Long: return "int64";
+    case ScalarType::Int: return "int32";
+    case ScalarType::Bool: return "bool";
+    default: return "a non-float32/float64 dtype";
+  }
+}
+
+inline void check_rank(const Tensor& t, const char* name, int64_t rank, const char* layout) {
+  FUSED_OPS_CHECK(t.dim() == rank, name, " must be a ", rank, "-D tensor ", layout, ", got shape ",
+                  shape_str(t));
+}
+
+inline void check_size(const Tensor& t, const char* name, int64_t dim, int64_t expected,
                        const char* what) {
-  TORCH_CHECK(t.size(dim) == expected, name, ".shape[", dim, "] must be ", expected, " (", what,
-              "), got shape ", t.sizes());
+  FUSED_OPS_CHECK(t.size(dim) == expected, name, ".shape[", dim, "] must be ", expected, " (",
+                  what, "), got shape ", shape_str(t));
 }
+
+using NamedTensor = std::pair<const Tensor&, const char*>;
 
 // All tensors float32/float64, the same dtype as the first, on the first one's device.
 inline void check_same_float_dtype_and_device(std::initializer_list<NamedTensor> tensors) {
   const auto& [first, first_name] = *tensors.begin();
-  TORCH_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble, first_name,
-              " must be float32 or float64, got ", first.scalar_type());
+  const ScalarType dtype = first.scalar_type();
+  FUSED_OPS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, first_name,
+                  " must be float32 or float64, got ", dtype_str(dtype));
   for (const auto& [t, name] : tensors) {
-    TORCH_CHECK(t.scalar_type() == first.scalar_type(), name, " must have the same dtype as ",
-                first_name, " (", first.scalar_type(), "), got ", t.scalar_type());
-    TORCH_CHECK(t.device() == first.device(), name, " must be on the same device as ", first_name,
-                " (", first.device(), "), got ", t.device());
+    FUSED_OPS_CHECK(t.scalar_type() == dtype, name, " must have the same dtype as ", first_name,
+                    " (", dtype_str(dtype), "), got ", dtype_str(t.scalar_type()));
+    FUSED_OPS_CHECK(t.device() == first.device(), name, " must be on the same device as ",
+                    first_name, " (", device_str(first), "), got ", device_str(t));
   }
+}
+
+// A contiguous view of t: no call into torch when it already is (the common
+// case; each stable-ABI op call is a boxed dispatcher call, ~1 us).
+inline Tensor as_contiguous(const Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+// A new contiguous tensor of `sizes` with the dtype and device of `like`.
+// Straight through the C shim's empty_strided rather than
+// torch::stable::empty, which looks the op up by name and boxes its arguments
+// on every call: that costs several microseconds per output, a sizeable share
+// of a small call.
+inline Tensor empty_like_device(const Tensor& like, std::initializer_list<int64_t> sizes) {
+  int64_t shape[8], strides[8];
+  const int64_t ndim = int64_t(sizes.size());
+  int64_t stride = 1;
+  for (int64_t i = ndim - 1; i >= 0; --i) {
+    shape[i] = sizes.begin()[i];
+    strides[i] = stride;
+    stride *= shape[i] > 1 ? shape[i] : 1;
+  }
+  int32_t dtype = 0, device_type = 0;
+  AtenTensorHandle out = nullptr;
+  const bool ok = aoti_torch_get_dtype(like.get(), &dtype) == AOTI_TORCH_SUCCESS &&
+                  aoti_torch_get_device_type(like.get(), &device_type) == AOTI_TORCH_SUCCESS &&
+                  aoti_torch_empty_strided(ndim, shape, strides, dtype, device_type,
+                                           like.get_device_index(), &out) == AOTI_TORCH_SUCCESS;
+  FUSED_OPS_CHECK(ok, "fused_ops: could not allocate an output tensor");
+  return Tensor(out);
+}
+
+// Float dispatch without ATen's AT_DISPATCH macros: calls f(T{}) with the
+// element type of a float32/float64 tensor (the checks above ran first).
+template <typename F>
+decltype(auto) dispatch_float(ScalarType dtype, F&& f) {
+  if (dtype == ScalarType::Double) return f(double{});
+  FUSED_OPS_CHECK(dtype == ScalarType::Float, "expected float32 or float64, got ", dtype_str(dtype));
+  return f(float{});
 }
 
 }  // namespace fused_ops

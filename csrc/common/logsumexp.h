@@ -6,7 +6,7 @@
 // no pass over the data has to know the global maximum in advance.
 #pragma once
 
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cmath>
 

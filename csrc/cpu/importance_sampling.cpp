@@ -6,11 +6,8 @@
 // any number of threads.  Within a chunk, sums run in SIMD-lane partial sums
 // (each over at most chunk / lanes samples); lanes and chunks are added in double.
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <cmath>
 #include <algorithm>
@@ -200,7 +197,7 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
 #if FUSED_OPS_HAVE_AVX2_CLONE
   if (cpu::cpu_has_avx2()) range = &chunk_range_avx2<scalar_t>;
 #endif
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) { range(args, c0, c1); });
+  torch::stable::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) { range(args, c0, c1); });
 
   // Merge the chunk partials in order.
   LogSumExp<acc_t> total = LogSumExp<acc_t>::empty();
@@ -220,30 +217,31 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
   *ess = scalar_t(total.sum * total.sum / sum_sq);
 
   const scalar_t log_norm_const = scalar_t(total.value());
-  at::parallel_for(0, N, 4096, [&](int64_t i0, int64_t i1) {
+  torch::stable::parallel_for(0, N, 4096, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) log_weights[i] -= log_norm_const;
   });
 }
 
 }  // namespace
 
-ImportanceSamplingResult importance_sampling_cpu(const at::Tensor& samples,
-                                                 const at::Tensor& mix_weights,
-                                                 const at::Tensor& mix_mus,
-                                                 const at::Tensor& mix_stds,
-                                                 const at::Tensor& q_mu, const at::Tensor& q_std) {
+ImportanceSamplingResult importance_sampling_cpu(const Tensor& samples, const Tensor& mix_weights,
+                                                 const Tensor& mix_mus, const Tensor& mix_stds,
+                                                 const Tensor& q_mu, const Tensor& q_std) {
   ImportanceSamplingCall c(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
-  AT_DISPATCH_FLOATING_TYPES(samples.scalar_type(), "importance_sampling_cpu", [&] {
+  dispatch_float(samples.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
     importance_sampling_kernel<scalar_t>(
-        c.x.data_ptr<scalar_t>(), c.mix_weights.data_ptr<scalar_t>(),
-        c.mix_mus.data_ptr<scalar_t>(), c.mix_stds.data_ptr<scalar_t>(),
-        c.q_mu.data_ptr<scalar_t>(), c.q_std.data_ptr<scalar_t>(), c.N, c.D, c.K,
-        c.weighted_mean.data_ptr<scalar_t>(), c.ess.data_ptr<scalar_t>(),
-        c.log_weights.data_ptr<scalar_t>());
+        c.x.const_data_ptr<scalar_t>(), c.mix_weights.const_data_ptr<scalar_t>(),
+        c.mix_mus.const_data_ptr<scalar_t>(), c.mix_stds.const_data_ptr<scalar_t>(),
+        c.q_mu.const_data_ptr<scalar_t>(), c.q_std.const_data_ptr<scalar_t>(), c.N, c.D, c.K,
+        c.weighted_mean.mutable_data_ptr<scalar_t>(), c.ess.mutable_data_ptr<scalar_t>(),
+        c.log_weights.mutable_data_ptr<scalar_t>());
   });
   return c.result();
 }
 
-TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("importance_sampling", &importance_sampling_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
+  m.impl("importance_sampling", TORCH_BOX(&importance_sampling_cpu));
+}
 
 }  // namespace fused_ops

@@ -2,10 +2,9 @@
 // (cooperative_groups::this_grid().sync()), shared by the CUDA ops.
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/Exception.h>
 #include <cuda_runtime.h>
+
+#include "cuda/runtime.cuh"
 
 #include <algorithm>
 #include <map>
@@ -23,20 +22,19 @@ template <typename Kernel>
 int64_t max_resident_blocks(Kernel kernel, int threads, size_t smem) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, size_t, int>, int64_t> cache;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = current_device();
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, device);
   std::lock_guard<std::mutex> lock(mutex);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    FUSED_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
   int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  TORCH_CHECK(per_sm > 0, "fused_ops: kernel does not fit on this GPU (", threads, " threads, ", smem,
+  FUSED_OPS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  FUSED_OPS_CHECK(per_sm > 0, "fused_ops: kernel does not fit on this GPU (", threads, " threads, ", smem,
               " bytes of shared memory per block)");
-  const int64_t blocks = int64_t(per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t blocks = int64_t(per_sm) * multiprocessor_count(device);
   cache.emplace(key, blocks);
   return blocks;
 }
@@ -45,10 +43,10 @@ int64_t max_resident_blocks(Kernel kernel, int threads, size_t smem) {
 template <typename Args>
 void launch_cooperative(void (*kernel)(Args), int64_t grid, int threads, size_t smem, Args& args) {
   void* kernel_args[] = {&args};
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(unsigned(grid)),
+  FUSED_OPS_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(unsigned(grid)),
                                              dim3(unsigned(threads)), kernel_args, smem,
-                                             at::cuda::getCurrentCUDAStream()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                                             current_stream(current_device())));
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace cuda

@@ -23,14 +23,10 @@
 // barrier), rows re-read from L1/L2 for each component, and per-group
 // weighted sums kept in a global workspace.
 
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <climits>
@@ -453,24 +449,24 @@ int next_pow2(int v) {
 size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
 template <typename T>
-void importance_sampling_launch(const at::Tensor& x, const at::Tensor& mix_weights,
-                                const at::Tensor& mix_mus, const at::Tensor& mix_stds,
-                                const at::Tensor& q_mu, const at::Tensor& q_std,
-                                at::Tensor& weighted_mean, at::Tensor& ess, at::Tensor& log_weights) {
+void importance_sampling_launch(const Tensor& x, const Tensor& mix_weights,
+                                const Tensor& mix_mus, const Tensor& mix_stds,
+                                const Tensor& q_mu, const Tensor& q_std,
+                                Tensor& weighted_mean, Tensor& ess, Tensor& log_weights) {
   constexpr int kVec = 16 / sizeof(T);
   Args<T> a{};
-  a.x = x.data_ptr<T>();
-  a.mix_weights = mix_weights.data_ptr<T>();
-  a.mix_mus = mix_mus.data_ptr<T>();
-  a.mix_stds = mix_stds.data_ptr<T>();
-  a.q_mu = q_mu.data_ptr<T>();
-  a.q_std = q_std.data_ptr<T>();
+  a.x = x.const_data_ptr<T>();
+  a.mix_weights = mix_weights.const_data_ptr<T>();
+  a.mix_mus = mix_mus.const_data_ptr<T>();
+  a.mix_stds = mix_stds.const_data_ptr<T>();
+  a.q_mu = q_mu.const_data_ptr<T>();
+  a.q_std = q_std.const_data_ptr<T>();
   a.N = x.size(0);
   a.D = int(x.size(1));
   a.K = int(mix_weights.size(0));
-  a.weighted_mean = weighted_mean.data_ptr<T>();
-  a.ess = ess.data_ptr<T>();
-  a.log_weights = log_weights.data_ptr<T>();
+  a.weighted_mean = weighted_mean.mutable_data_ptr<T>();
+  a.ess = ess.mutable_data_ptr<T>();
+  a.log_weights = log_weights.mutable_data_ptr<T>();
   const int64_t D = a.D, K = a.K;
 
   // Fast-path configuration: as few lanes per row as hold it in registers.
@@ -519,8 +515,8 @@ void importance_sampling_launch(const at::Tensor& x, const at::Tensor& mix_weigh
   const int64_t n_lse = count(2 * grid), n_sq = count(grid), n_wsum = count(D * grid);
   const int64_t n_prep = fast ? 0 : count(K * D + D + K + 1);
   const int64_t n_group = fast ? 0 : count(grid * groups * D);
-  at::Tensor workspace = at::empty({n_lse + n_sq + n_wsum + n_prep + n_group}, x.options());
-  T* w = workspace.data_ptr<T>();
+  Tensor workspace = empty_like_device(x, {n_lse + n_sq + n_wsum + n_prep + n_group});
+  T* w = workspace.mutable_data_ptr<T>();
   a.block_lse = reinterpret_cast<LogSumExp<T>*>(w);
   a.block_sum_sq = w + n_lse;
   a.block_wsum = a.block_sum_sq + n_sq;
@@ -530,28 +526,28 @@ void importance_sampling_launch(const at::Tensor& x, const at::Tensor& mix_weigh
   cuda::launch_cooperative(kernel, grid, kThreads, smem, a);
 }
 
-ImportanceSamplingResult importance_sampling_cuda(const at::Tensor& samples,
-                                                  const at::Tensor& mix_weights,
-                                                  const at::Tensor& mix_mus,
-                                                  const at::Tensor& mix_stds,
-                                                  const at::Tensor& q_mu, const at::Tensor& q_std) {
+ImportanceSamplingResult importance_sampling_cuda(const Tensor& samples, const Tensor& mix_weights,
+                                                  const Tensor& mix_mus, const Tensor& mix_stds,
+                                                  const Tensor& q_mu, const Tensor& q_std) {
   // samples may be the CPU tensor of a CPU/CUDA mix: the checks in
   // ImportanceSamplingCall then name it, so only guard a CUDA device here.
-  const c10::cuda::OptionalCUDAGuard guard(
-      samples.is_cuda() ? std::make_optional(samples.device()) : std::nullopt);
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  if (samples.is_cuda()) guard.emplace(samples.get_device_index());
   ImportanceSamplingCall c(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
-  TORCH_CHECK(samples.is_cuda(), "samples must be a CUDA tensor, got ", samples.device());
-  TORCH_CHECK(c.D <= INT_MAX && c.K <= INT_MAX,
-              "importance_sampling: D and K must fit in int32, got D=", c.D, ", K=", c.K);
-  AT_DISPATCH_FLOATING_TYPES(samples.scalar_type(), "importance_sampling_cuda", [&] {
-    importance_sampling_launch<scalar_t>(c.x, c.mix_weights, c.mix_mus, c.mix_stds, c.q_mu,
-                                         c.q_std, c.weighted_mean, c.ess, c.log_weights);
+  FUSED_OPS_CHECK(samples.is_cuda(), "samples must be a CUDA tensor, got ", device_str(samples));
+  FUSED_OPS_CHECK(c.D <= INT_MAX && c.K <= INT_MAX,
+                  "importance_sampling: D and K must fit in int32, got D=", c.D, ", K=", c.K);
+  dispatch_float(samples.scalar_type(), [&](auto zero) {
+    importance_sampling_launch<decltype(zero)>(c.x, c.mix_weights, c.mix_mus, c.mix_stds, c.q_mu,
+                                               c.q_std, c.weighted_mean, c.ess, c.log_weights);
   });
   return c.result();
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("importance_sampling", &importance_sampling_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("importance_sampling", TORCH_BOX(&importance_sampling_cuda));
+}
 
 }  // namespace fused_ops
