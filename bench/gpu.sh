@@ -4,6 +4,10 @@
 # a small run of every kernel path, and the benchmark.
 #
 #   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
+#   FUSED_OPS_WHEEL=dist/x.whl OUT=... bash bench/gpu.sh
+#       installs that wheel (built elsewhere, e.g. on the CI machine) instead of
+#       building, and runs everything against the installed package from a
+#       directory outside the source tree: the "one wheel" check of the stable ABI.
 #
 # A copy of the tree without .git can pass FUSED_OPS_GIT_COMMIT=<sha> so the
 # benchmark results record the commit they measured.
@@ -42,15 +46,32 @@ stage() {  # stage NAME CMD...: run, log, record status and duration
   nvcc --version | tail -n 2
 } | tee -a "$SUMMARY"
 
-if ! stage build $PY -m pip install --no-build-isolation --no-deps -v -e .; then
+REPO=$PWD
+if [[ -n "${FUSED_OPS_WHEEL:-}" ]]; then
+  SITE=$(mktemp -d)/site
+  if ! stage install $PY -m pip install --no-deps --target "$SITE" "$FUSED_OPS_WHEEL"; then
+    tail -n 30 "$LOGS/install.log"
+    tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+    exit 1
+  fi
+  export PYTHONPATH=$SITE
+  # Run from a directory holding only a copy of bench/, so `import fused_ops`
+  # finds the installed wheel, never ./fused_ops of the source tree.
+  RUN_DIR=$(mktemp -d)
+  cp -r bench "$RUN_DIR/"
+elif ! stage build $PY -m pip install --no-build-isolation --no-deps -v -e .; then
   tail -n 60 "$LOGS/build.log"
   tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
   exit 1
+else
+  RUN_DIR=$REPO
 fi
-stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra tests
+cd "$RUN_DIR"
+$PY -c 'import fused_ops, json; print("fused_ops from", fused_ops.__file__); print(json.dumps(fused_ops.info()))' | tee -a "$SUMMARY"
+stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "$REPO/tests"
 tail -n 15 "$LOGS/tests.log"
 for tool in memcheck racecheck initcheck; do
-  stage "$tool" timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 99 $PY bench/sanitize_run.py
+  stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
 stage bench timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" ${BENCH_ARGS:-}
