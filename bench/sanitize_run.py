@@ -5,6 +5,10 @@
 Covers the vectorised and scalar fast paths (short and long rows), the general
 path (D > 512, and parameters too large for shared memory) and float64, and
 checks each result against the reference so a silent error also fails.
+
+flow_euler: the cluster path (sm_90, B <= 32), the 3xTF32 tile path (ragged
+last tile, D and H not multiples of 8 or 32), and the general path (float64;
+float32 too large for both), each checked against the reference.
 """
 
 import sys
@@ -29,6 +33,40 @@ CASES = [
 ]
 
 
+FLOW_CASES = [
+    # (B, D, H, num_steps, dtype)    path exercised
+    (8, 64, 256, 4, torch.float32),  # cluster, default size
+    (3, 5, 20, 2, torch.float32),  # cluster, everything padded
+    (32, 100, 130, 2, torch.float32),  # cluster, 4 row chunks, ragged neuron slices
+    (1, 1, 3, 1, torch.float32),  # cluster, smallest
+    (129, 100, 130, 2, torch.float32),  # tiled, ragged last tile, padded K
+    (4096, 64, 256, 2, torch.float32),  # tiled, the large-batch default
+    (40, 3, 300, 1, torch.float32),  # tiled, two column passes
+    (8, 5, 1100, 1, torch.float32),  # general: too large for cluster and tile
+    (37, 6, 33, 2, torch.float64),  # general, float64
+]
+
+
+def run_flow():
+    torch.manual_seed(0)
+    failures = 0
+    for b, d, h, steps, dtype in FLOW_CASES:
+        opts = dict(device="cuda", dtype=dtype)
+        x0 = torch.randn(b, d, **opts)
+        w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
+        w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
+        w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
+        b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
+        args = (x0, w1, b1, w2, b2, w3, b3)
+        got = fused_ops.flow_euler(*args, steps)
+        want = reference.flow_euler(*args, steps)
+        ok = torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        failures += not ok
+        print(f"flow B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
+    torch.cuda.synchronize()
+    return failures
+
+
 def main():
     torch.manual_seed(0)
     failures = 0
@@ -46,6 +84,7 @@ def main():
         failures += not ok
         print(f"N={n} D={d} K={k} {dtype}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
+    failures += run_flow()
     return 1 if failures else 0
 
 

@@ -21,4 +21,7 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "importance_sampling(Tensor samples, Tensor mix_weights, Tensor mix_mus, Tensor mix_stds, "
       "Tensor q_mu, Tensor q_std) -> (Tensor weighted_mean, Tensor ess, Tensor log_weights)");
+  m.def(
+      "flow_euler(Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor w3, Tensor b3, "
+      "int num_steps) -> Tensor");
 }

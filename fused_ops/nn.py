@@ -13,7 +13,7 @@ from torch import nn
 
 from . import ops, reference
 
-__all__ = ["ImportanceSampler", "convert"]
+__all__ = ["ImportanceSampler", "FlowODE", "convert"]
 
 
 class ImportanceSampler(reference.ImportanceSampler):
@@ -74,7 +74,80 @@ class ImportanceSampler(reference.ImportanceSampler):
         return fused
 
 
-_FUSED_MODULES = (ImportanceSampler,)
+class FlowODE(reference.FlowODE):
+    """Fused probability-flow ODE sampler (``num_steps`` Euler steps of an MLP
+    velocity field in one :func:`fused_ops.flow_euler` call).
+
+    Built by the reference's constructor, so the parameters
+    (``velocity.0/2/4.weight``, ``.bias``), the ``dt`` buffer, their names,
+    creation order and, under one seed, values are the reference's.
+    ``forward(x0 [B, D]) -> x [B, D]``.
+
+    The step size is ``1 / num_steps`` in the input's dtype; the ``dt`` buffer
+    is kept for checkpoint compatibility.  (The reference's buffer is created in
+    float32, so a reference module converted to float64 steps with
+    ``float64(float32(1 / num_steps))``; the fused one with the float64 value.)
+    """
+
+    def forward(self, x0):
+        l1, l2, l3 = self.velocity[0], self.velocity[2], self.velocity[4]
+        return ops.flow_euler(
+            x0, l1.weight, l1.bias, l2.weight, l2.bias, l3.weight, l3.bias, self.num_steps
+        )
+
+    def extra_repr(self):
+        l1 = self.velocity[0]
+        return f"dim={l1.in_features - 1}, hidden={l1.out_features}, num_steps={self.num_steps}"
+
+    @staticmethod
+    def matches(module):
+        """True if ``module`` is structurally a flow-ODE reference module: an
+        int ``num_steps >= 1``, exactly one buffer ``dt`` (0-d), no direct
+        parameters, and exactly one child ``velocity`` that is
+        ``Sequential(Linear(D+1, H), SiLU(), Linear(H, H), SiLU(), Linear(H, D))``
+        with biases."""
+        steps = getattr(module, "num_steps", None)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            return False
+        buffers = dict(module.named_buffers(recurse=False))
+        if set(buffers) != {"dt"} or buffers["dt"].dim() != 0:
+            return False
+        if list(module.parameters(recurse=False)):
+            return False
+        children = dict(module.named_children())
+        if set(children) != {"velocity"}:
+            return False
+        seq = children["velocity"]
+        if not isinstance(seq, nn.Sequential) or len(seq) != 5:
+            return False
+        kinds = (nn.Linear, nn.SiLU, nn.Linear, nn.SiLU, nn.Linear)
+        if not all(type(m) is kind for m, kind in zip(seq, kinds)):
+            return False
+        l1, l2, l3 = seq[0], seq[2], seq[4]
+        if any(l.bias is None for l in (l1, l2, l3)):
+            return False
+        d, h = l1.in_features - 1, l1.out_features
+        return d >= 1 and (l2.in_features, l2.out_features) == (h, h) and (l3.in_features, l3.out_features) == (h, d)
+
+    @classmethod
+    def from_reference(cls, module):
+        """A fused module sharing ``module``'s parameters and buffer (no copies)."""
+        if not cls.matches(module):
+            raise ValueError(
+                f"{type(module).__name__} is not a flow-ODE reference module: expected an int "
+                "num_steps >= 1, a 0-d buffer dt and a child velocity = Sequential(Linear(D+1, H), "
+                "SiLU(), Linear(H, H), SiLU(), Linear(H, D)) with biases"
+            )
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.velocity = module.velocity
+        fused.num_steps = module.num_steps
+        fused.register_buffer("dt", module.dt)
+        fused.train(module.training)
+        return fused
+
+
+_FUSED_MODULES = (ImportanceSampler, FlowODE)
 
 
 def _fused_for(module):

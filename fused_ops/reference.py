@@ -97,3 +97,19 @@ class VAE(nn.Module):
         kl = -0.5 * (1 + logvar - mu**2 - torch.exp(logvar)).sum(-1)
         elbo = -(recon + kl)
         return elbo, recon, kl
+
+
+def flow_euler(x0, w1, b1, w2, b2, w3, b3, num_steps):
+    """Functional form of :class:`FlowODE` with explicit weights (any hidden
+    width), computing what the fused op computes: the module's loop with
+    ``velocity = Linear(w1, b1), SiLU, Linear(w2, b2), SiLU, Linear(w3, b3)``
+    and ``dt = tensor(1.0 / num_steps)`` in the input's dtype."""
+    dt = torch.tensor(1.0 / num_steps, dtype=x0.dtype, device=x0.device)
+    x = x0
+    batch = x.shape[0]
+    for k in range(num_steps):
+        t = (k + 0.5) / num_steps
+        u = torch.cat([x, torch.full((batch, 1), t, dtype=x.dtype, device=x.device)], dim=-1)
+        v = F.linear(F.silu(F.linear(F.silu(F.linear(u, w1, b1)), w2, b2)), w3, b3)
+        x = x + dt * v
+    return x

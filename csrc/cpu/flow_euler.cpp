@@ -1,0 +1,193 @@
+// CPU kernel of fused_ops::flow_euler.
+//
+// Rows of x are cut into blocks of kRowBlock rows (fixed, never derived from
+// the thread count), and each block runs through all num_steps Euler steps on
+// its own before the next block starts on that thread: its activations
+// (2 x kRowBlock x H values) stay in L2 next to the weights, instead of every
+// layer streaming a [B, H] tensor through memory as the reference does.
+// Per step and block: three ATen BLAS products (at::mm_out, single-threaded
+// inside the parallel region) and, between them, one fused pass that adds the
+// bias and applies SiLU (layers 1, 2) or adds the bias and does the Euler
+// update x += dt * v (layer 3).  The time feature t is folded into layer 1's
+// bias, c1 = b1 + t * w1[:, D], so the product reads x in place and no [B, D+1]
+// input is built.
+//
+// Determinism: a row's result depends only on its block's products, and a
+// block's size depends only on B, so results are bitwise reproducible for
+// any number of threads once B > kRowBlock.  With a single block (B <=
+// kRowBlock) the products run outside the parallel region and the BLAS may
+// use several threads; results are then reproducible run to run at a given
+// thread count.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu/vec_math.h"
+#include "flow_euler.h"
+
+namespace fused_ops {
+namespace {
+
+// 64 rows: the two hidden activations of a block (2 x 64 x 256 floats, 128 KB
+// at the default size) and the weights (396 KB) fit a 1 MB L2, and a 64-row
+// product is large enough for the BLAS kernels to run near peak.
+constexpr int64_t kRowBlock = 64;
+
+// h[r, j] = silu(h[r, j] + bias[j]) for r < rows, j < cols (row stride cols).
+template <typename T, int B>
+FUSED_OPS_INLINE void bias_silu_impl(T* h, const T* bias, int64_t rows, int64_t cols) {
+  using V = cpu::Lanes<T, B>;
+  constexpr int L = cpu::kLanes<T, B>;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = h + r * cols;
+    int64_t j = 0;
+    for (; j + L <= cols; j += L) {
+      const V z = cpu::load_lanes<V>(row + j) + cpu::load_lanes<V>(bias + j);
+      // silu(z) = z / (1 + exp(-z)): exp overflows to inf for z < -88 and the
+      // quotient is -0, as in PyTorch.
+      cpu::store_lanes(row + j, z / (T(1) + cpu::exp(-z)));
+    }
+    for (; j < cols; ++j) {
+      const T z = row[j] + bias[j];
+      row[j] = z / (T(1) + std::exp(-z));
+    }
+  }
+}
+
+// x[r, d] += dt * (v[r, d] + bias[d]).
+template <typename T, int B>
+FUSED_OPS_INLINE void euler_update_impl(T* x, const T* v, const T* bias, T dt, int64_t rows,
+                                        int64_t cols) {
+  using V = cpu::Lanes<T, B>;
+  constexpr int L = cpu::kLanes<T, B>;
+  const int64_t n = rows * cols;
+  if (cols % L == 0) {
+    for (int64_t i = 0; i < n; i += L) {
+      const V vel = cpu::load_lanes<V>(v + i) + cpu::load_lanes<V>(bias + i % cols);
+      // Rounded as the reference rounds it: dt * v first, then the sum.
+      const V step = vel * dt;
+      cpu::store_lanes(x + i, cpu::load_lanes<V>(x + i) + step);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const T step = (v[i] + bias[i % cols]) * dt;
+      x[i] = x[i] + step;
+    }
+  }
+}
+
+template <typename T>
+void bias_silu_baseline(T* h, const T* bias, int64_t rows, int64_t cols) {
+  bias_silu_impl<T, 16>(h, bias, rows, cols);
+}
+template <typename T>
+void euler_update_baseline(T* x, const T* v, const T* bias, T dt, int64_t rows, int64_t cols) {
+  euler_update_impl<T, 16>(x, v, bias, dt, rows, cols);
+}
+#if FUSED_OPS_HAVE_AVX2_CLONE
+template <typename T>
+FUSED_OPS_TARGET_AVX2 void bias_silu_avx2(T* h, const T* bias, int64_t rows, int64_t cols) {
+  bias_silu_impl<T, 32>(h, bias, rows, cols);
+}
+template <typename T>
+FUSED_OPS_TARGET_AVX2 void euler_update_avx2(T* x, const T* v, const T* bias, T dt, int64_t rows,
+                                             int64_t cols) {
+  euler_update_impl<T, 32>(x, v, bias, dt, rows, cols);
+}
+#endif
+
+template <typename T>
+struct FlowArgs {
+  const T *x0, *w1, *b1, *w2, *b2, *w3, *b3;
+  T* x;
+  int64_t B, D, H, num_steps;
+};
+
+// Rows [r0, r1) through all steps.  The tensors are views of raw memory
+// (from_blob: no autograd history, no copies); the weight views are the
+// transposes the products need, which the BLAS reads in place.
+template <typename T>
+void run_rows(const FlowArgs<T>& a, int64_t r0, int64_t r1) {
+  const int64_t R = r1 - r0, D = a.D, H = a.H;
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  std::vector<T> buffer(2 * R * H + R * D + H);
+  T* h1 = buffer.data();
+  T* h2 = h1 + R * H;
+  T* v = h2 + R * H;
+  T* c1 = v + R * D;
+  T* x = a.x + r0 * D;
+  std::copy(a.x0 + r0 * D, a.x0 + r1 * D, x);
+
+  auto view = [&](const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
+    return at::from_blob(const_cast<T*>(p), sizes, strides, opts);
+  };
+  // w1[:, :D]^T is [D, H] with strides (1, D + 1): the time column is skipped.
+  const at::Tensor w1t = view(a.w1, {D, H}, {1, D + 1});
+  const at::Tensor w2t = view(a.w2, {H, H}, {1, H});
+  const at::Tensor w3t = view(a.w3, {H, D}, {1, H});
+  const at::Tensor xs = view(x, {R, D}, {D, 1});
+  at::Tensor h1s = view(h1, {R, H}, {H, 1});
+  at::Tensor h2s = view(h2, {R, H}, {H, 1});
+  at::Tensor vs = view(v, {R, D}, {D, 1});
+
+  auto bias_silu = &bias_silu_baseline<T>;
+  auto euler_update = &euler_update_baseline<T>;
+#if FUSED_OPS_HAVE_AVX2_CLONE
+  if (cpu::cpu_has_avx2()) {
+    bias_silu = &bias_silu_avx2<T>;
+    euler_update = &euler_update_avx2<T>;
+  }
+#endif
+  const T dt = flow_step_size<T>(a.num_steps);
+  for (int64_t k = 0; k < a.num_steps; ++k) {
+    const T t = flow_step_time<T>(k, a.num_steps);
+    for (int64_t j = 0; j < H; ++j) c1[j] = a.b1[j] + t * a.w1[j * (D + 1) + D];
+    at::mm_out(h1s, xs, w1t);
+    bias_silu(h1, c1, R, H);
+    at::mm_out(h2s, h1s, w2t);
+    bias_silu(h2, a.b2, R, H);
+    at::mm_out(vs, h2s, w3t);
+    euler_update(x, v, a.b3, dt, R, D);
+  }
+}
+
+template <typename T>
+void flow_euler_kernel(const FlowArgs<T>& a) {
+  const int64_t num_blocks = (a.B + kRowBlock - 1) / kRowBlock;
+  if (num_blocks == 1) {
+    // One block: let the BLAS thread the products itself.
+    run_rows(a, 0, a.B);
+    return;
+  }
+  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) run_rows(a, b * kRowBlock, std::min(a.B, (b + 1) * kRowBlock));
+  });
+}
+
+}  // namespace
+
+at::Tensor flow_euler_cpu(const at::Tensor& x0, const at::Tensor& w1, const at::Tensor& b1,
+                          const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& w3,
+                          const at::Tensor& b3, int64_t num_steps) {
+  FlowEulerCall c(x0, w1, b1, w2, b2, w3, b3, num_steps);
+  if (c.B == 0) return c.x;
+  AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "flow_euler_cpu", [&] {
+    flow_euler_kernel<scalar_t>({c.x0.data_ptr<scalar_t>(), c.w1.data_ptr<scalar_t>(),
+                                 c.b1.data_ptr<scalar_t>(), c.w2.data_ptr<scalar_t>(),
+                                 c.b2.data_ptr<scalar_t>(), c.w3.data_ptr<scalar_t>(),
+                                 c.b3.data_ptr<scalar_t>(), c.x.data_ptr<scalar_t>(), c.B, c.D,
+                                 c.H, c.num_steps});
+  });
+  return c.x;
+}
+
+TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("flow_euler", &flow_euler_cpu); }
+
+}  // namespace fused_ops

@@ -1,0 +1,694 @@
+// CUDA kernels of fused_ops::flow_euler.  Three paths, chosen per call on the
+// host (choose_path below) from the dtype, the sizes and the device:
+//
+// cluster  float32, compute capability >= 9.0, B <= 32 and the weight slices
+//          fit shared memory (the default B=8, D=64, H=256 does, with 43 KB
+//          per block): ONE launch of one thread-block cluster of 16 blocks (8
+//          where 16 cannot be co-scheduled) for all steps.  Block r owns the
+//          neurons [r*n1, (r+1)*n1) of layers 1 and 2 and [r*n3, (r+1)*n3) of
+//          layer 3 (n1 = ceil(H/C), n3 = ceil(D/C)); its rows of w1, w2, w3
+//          stay in its shared memory for the whole integration, so weights
+//          are read from global memory once per call, not once per step.
+//          Every block holds full copies of the activations x, h1, h2 (all
+//          rows).  A layer: each warp takes (neuron, 8-row chunk) items, its
+//          32 lanes split the dot products over k in float4 strides, a
+//          reduce-scatter over the lanes leaves each group of 4 lanes with
+//          one row's sum, and those 4 lanes push the activated value into the
+//          same slot of all C blocks' shared memory (distributed shared
+//          memory stores).  One cluster barrier per layer (3 per step)
+//          publishes the pushes; single buffers suffice because a buffer is
+//          only overwritten two barriers after its last reader (x by layer 3
+//          after layer 1 read it, h1/h2 once per step).  Per step the
+//          default does ~800 K multiply-adds over 4096 threads, a few
+//          hundred ns, so the 3 barriers (~0.2-0.25 us each on the H200)
+//          dominate: ~1.1 us per step, ~40 us for 32 steps.
+//
+// tiled    float32, compute capability >= 8.0, any B, when a 32-row tile's
+//          activations and two weight chunks fit shared memory (D, H up to
+//          ~500): one launch, one block of 256 threads per 32 rows, running
+//          its rows through all steps with x, h1, h2 in shared memory.  Each
+//          layer is a [32 x K] x [K x N] product on tensor cores in 3xTF32
+//          (cuda/tf32x3.cuh: float32 accuracy), weights streamed from L2
+//          through shared memory in 32-column k-chunks (double-buffered, the
+//          next chunk's global loads in flight during the current chunk's
+//          products), output columns in passes of 256 spread over the 8 warps
+//          (n-tiles warp, warp+8, ... so small N still uses every warp).
+//          B = 4096 is 128 blocks: one wave on the H200's 132 SMs.
+//
+// general  anything else (float64, larger sizes, older GPUs): one simple
+//          kernel per layer and step, one thread per output element,
+//          sequential sums.  Correctness first; it is 3 * num_steps launches.
+//
+// Every sum has a fixed order (no atomics), so results are bitwise
+// reproducible for the same inputs and device.
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
+
+#include "cuda/reductions.cuh"
+#include "cuda/tf32x3.cuh"
+#include "flow_euler.h"
+
+namespace fused_ops {
+namespace {
+
+namespace cg = cooperative_groups;
+using cuda::kFullMask;
+using cuda::kWarpSize;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kWarpSize;
+
+template <typename T>
+__device__ __forceinline__ T silu(T z) {
+  // z / (1 + exp(-z)): exp overflows to inf for very negative z and the
+  // quotient is -0, as PyTorch's SiLU gives.
+  return z / (T(1) + exp(-z));
+}
+
+// x + dt * v rounded like the reference (dt * v first, no fused multiply-add).
+__device__ __forceinline__ float euler_step(float x, float dt, float v) {
+  return __fadd_rn(x, __fmul_rn(dt, v));
+}
+__device__ __forceinline__ double euler_step(double x, double dt, double v) {
+  return __dadd_rn(x, __dmul_rn(dt, v));
+}
+
+template <typename T>
+__device__ __forceinline__ T step_time(int k, int num_steps) {
+  return T((double(k) + 0.5) / double(num_steps));
+}
+
+// Sets a kernel's dynamic shared memory limit to at least `smem` on the
+// current device, once per (kernel, device, size).
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return;
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int>, size_t> done;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& have = done[std::make_tuple(reinterpret_cast<const void*>(kernel), device)];
+  if (have >= smem) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  have = smem;
+}
+
+// dst[r, k] (row stride ld, total_rows rows) = src[r, k] (row stride src_ld)
+// for r < nrows and k < ncols, else 0; all threads of the block cooperate.
+// Eight loads in flight per thread: the one-off staging of a persistent
+// kernel is otherwise a chain of dependent L2 round trips.
+__device__ __forceinline__ void stage_rows(float* dst, int total_rows, int ld, const float* src,
+                                           int64_t src_ld, int nrows, int ncols) {
+  constexpr int kUnroll = 8;
+  const int n = total_rows * ld;
+  for (int base = 0; base < n; base += kThreads * kUnroll) {
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + int(threadIdx.x);
+      const int r = i / ld, k = i - r * ld;
+      v[u] = (i < n && r < nrows && k < ncols) ? src[r * src_ld + k] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + int(threadIdx.x);
+      if (i < n) dst[i] = v[u];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// general path
+// ---------------------------------------------------------------------------
+
+// out[b, j] for one layer, one thread per (b, j):
+//   kHidden  out = silu(sum_k in[b, k] W[j, k] + t * w_time[j] + bias[j])  (w_time may be null)
+//   kUpdate  out[b, j] = out[b, j] + dt * (sum_k in[b, k] W[j, k] + bias[j])
+enum LayerMode { kHidden = 0, kUpdate = 1 };
+
+template <typename T, int MODE>
+__global__ void __launch_bounds__(kThreads)
+    general_layer_kernel(const T* __restrict__ in, int64_t B, int64_t K, const T* __restrict__ W,
+                         int64_t ld_w, const T* __restrict__ w_time, const T* __restrict__ bias,
+                         int64_t N, T t, T dt, T* __restrict__ out) {
+  const int64_t total = B * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / N, j = i - b * N;
+    const T* row = in + b * K;
+    const T* w = W + j * ld_w;
+    T acc = 0;
+    for (int64_t k = 0; k < K; ++k) acc += row[k] * w[k];
+    if (MODE == kHidden) {
+      if (w_time != nullptr) acc += t * w_time[j * ld_w];
+      out[i] = silu(acc + bias[j]);
+    } else {
+      out[i] = euler_step(out[i], dt, acc + bias[j]);
+    }
+  }
+}
+
+template <typename T>
+void launch_general(const FlowEulerCall& c) {
+  const int64_t B = c.B, D = c.D, H = c.H;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  T* x = c.x.data_ptr<T>();
+  const T* w1 = c.w1.data_ptr<T>();
+  at::Tensor h1 = at::empty({B, H}, c.x.options());
+  at::Tensor h2 = at::empty({B, H}, c.x.options());
+  C10_CUDA_CHECK(cudaMemcpyAsync(x, c.x0.data_ptr<T>(), sizeof(T) * B * D, cudaMemcpyDeviceToDevice, stream));
+  auto grid = [](int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 8192)); };
+  const T dt = flow_step_size<T>(c.num_steps);
+  for (int64_t k = 0; k < c.num_steps; ++k) {
+    const T t = flow_step_time<T>(k, c.num_steps);
+    general_layer_kernel<T, kHidden><<<grid(B * H), kThreads, 0, stream>>>(
+        x, B, D, w1, D + 1, w1 + D, c.b1.data_ptr<T>(), H, t, dt, h1.data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    general_layer_kernel<T, kHidden><<<grid(B * H), kThreads, 0, stream>>>(
+        h1.data_ptr<T>(), B, H, c.w2.data_ptr<T>(), H, nullptr, c.b2.data_ptr<T>(), H, t, dt,
+        h2.data_ptr<T>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    general_layer_kernel<T, kUpdate><<<grid(B * D), kThreads, 0, stream>>>(
+        h2.data_ptr<T>(), B, H, c.w3.data_ptr<T>(), H, nullptr, c.b3.data_ptr<T>(), D, t, dt, x);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// cluster path (sm_90)
+// ---------------------------------------------------------------------------
+
+constexpr int kClusterMaxB = 32;
+// Row length granularity of the shared-memory copies: one float4 per lane of
+// a warp, so a row is read in whole warp-wide strides and padding is zero.
+constexpr int kClusterKStride = 4 * kWarpSize;
+
+struct ClusterArgs {
+  const float *x0, *w1, *b1, *w2, *b2, *w3, *b3;
+  float* x;
+  int B, D, H, num_steps;
+  int n1, n3;    // neurons per block: layers 1-2, layer 3
+  int ldD, ldH;  // padded row lengths (multiples of kClusterKStride)
+  int rows;      // B rounded up to a multiple of 8
+  float dt;
+};
+
+// Shared memory of one cluster block, in floats.  The float4-read arrays
+// come first (all sizes multiples of 128 floats, so each starts 16-byte
+// aligned), the per-neuron scalars last.
+struct ClusterLayout {
+  int W1, W2, W3, X, H1, H2, B1, WT, B2, B3, total;
+  __host__ __device__ ClusterLayout(int n1, int n3, int ldD, int ldH, int rows) {
+    W1 = 0;
+    W2 = W1 + n1 * ldD;
+    W3 = W2 + n1 * ldH;
+    X = W3 + n3 * ldH;
+    H1 = X + rows * ldD;
+    H2 = H1 + rows * ldH;
+    B1 = H2 + rows * ldH;
+    WT = B1 + n1;
+    B2 = WT + n1;
+    B3 = B2 + n1;
+    total = B3 + n3;
+  }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// One halving round of the reduce-scatter: lanes whose `off` bit is set keep
+// the upper half of their HALF*2 partial row sums, the others the lower half,
+// each adding its partner's copy of the half it keeps.
+template <int HALF>
+__device__ __forceinline__ void scatter_round(float (&acc)[8], bool upper, int off) {
+#pragma unroll
+  for (int r = 0; r < HALF; ++r) {
+    const float keep = upper ? acc[r + HALF] : acc[r];
+    const float send = upper ? acc[r] : acc[r + HALF];
+    acc[r] = keep + __shfl_xor_sync(kFullMask, send, off);
+  }
+}
+
+// One layer of the cluster kernel (see the file comment).  `in` is this
+// block's full copy of the layer input ([rows][ld_in]), `w` its weight rows
+// ([n_local][ld_in]); the result for (row, first_neuron + j) goes to `out`
+// (same offset in every block of the cluster).
+template <int MODE>
+__device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int num_blocks,
+                                              const float* in, int ld_in, const float* w,
+                                              int n_local, int first_neuron, const float* bias,
+                                              const float* w_time, float t, float* out,
+                                              int ld_out, int rows, float dt) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int chunks = rows / 8, iters = ld_in / kClusterKStride;
+  for (int item = warp; item < n_local * chunks; item += kWarps) {
+    const int j = item % n_local, chunk = item / n_local;
+    const float* wrow = w + j * ld_in;
+    const float* irow = in + chunk * 8 * ld_in;
+    float acc[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[r] = 0.f;
+    for (int it = 0; it < iters; ++it) {
+      const int k = 4 * (lane + kWarpSize * it);
+      const float4 wv = *reinterpret_cast<const float4*>(wrow + k);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float4 v = *reinterpret_cast<const float4*>(irow + r * ld_in + k);
+        acc[r] = fmaf(wv.x, v.x, acc[r]);
+        acc[r] = fmaf(wv.y, v.y, acc[r]);
+        acc[r] = fmaf(wv.z, v.z, acc[r]);
+        acc[r] = fmaf(wv.w, v.w, acc[r]);
+      }
+    }
+    // Lane bits 4, 3, 2 select the row; bits 1, 0 then hold 4 partials of it.
+    scatter_round<4>(acc, lane & 16, 16);
+    scatter_round<2>(acc, lane & 8, 8);
+    scatter_round<1>(acc, lane & 4, 4);
+    float s = acc[0];
+    s += __shfl_xor_sync(kFullMask, s, 2);
+    s += __shfl_xor_sync(kFullMask, s, 1);
+    const int row = chunk * 8 + (((lane >> 4) & 1) << 2) + (((lane >> 3) & 1) << 1) + ((lane >> 2) & 1);
+    const int col = first_neuron + j;
+    float value;
+    if (MODE == kHidden) {
+      if (w_time != nullptr) s += t * w_time[j];
+      value = silu(s + bias[j]);
+    } else {
+      value = euler_step(out[row * ld_out + col], dt, s + bias[j]);
+    }
+    // The 4 lanes holding this row split the destination blocks.
+    float* local = out + row * ld_out + col;
+    for (int dst = lane & 3; dst < num_blocks; dst += 4) *cluster.map_shared_rank(local, dst) = value;
+  }
+}
+#endif
+
+__global__ void __launch_bounds__(kThreads) flow_cluster_kernel(ClusterArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float4 cluster_smem4[];
+  float* smem = reinterpret_cast<float*>(cluster_smem4);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), num_blocks = int(cluster.num_blocks());
+  const ClusterLayout L(a.n1, a.n3, a.ldD, a.ldH, a.rows);
+  const int D = a.D, H = a.H, tid = threadIdx.x;
+  const int j0 = rank * a.n1, nj = max(0, min(a.n1, H - j0));
+  const int d0 = rank * a.n3, nd = max(0, min(a.n3, D - d0));
+
+  // Weights slices, full x0, zeroed h1/h2; every padding element is zero so
+  // whole-stride dot products read only zeros past the true lengths.
+  // (Blocks without neurons of a layer, nj or nd == 0, stage only zeros and
+  // never form their out-of-range source pointer's addresses.)
+  stage_rows(smem + L.W1, a.n1, a.ldD, a.w1 + int64_t(min(j0, H)) * (D + 1), D + 1, nj, D);
+  stage_rows(smem + L.W2, a.n1, a.ldH, a.w2 + int64_t(min(j0, H)) * H, H, nj, H);
+  stage_rows(smem + L.W3, a.n3, a.ldH, a.w3 + int64_t(min(d0, D)) * H, H, nd, H);
+  stage_rows(smem + L.X, a.rows, a.ldD, a.x0, D, a.B, D);
+  for (int i = tid; i < 2 * a.rows * a.ldH; i += kThreads) smem[L.H1 + i] = 0.f;
+  for (int r = tid; r < a.n1; r += kThreads) {
+    const bool ok = r < nj;
+    smem[L.B1 + r] = ok ? a.b1[j0 + r] : 0.f;
+    smem[L.WT + r] = ok ? a.w1[int64_t(j0 + r) * (D + 1) + D] : 0.f;
+    smem[L.B2 + r] = ok ? a.b2[j0 + r] : 0.f;
+  }
+  for (int r = tid; r < a.n3; r += kThreads) smem[L.B3 + r] = r < nd ? a.b3[d0 + r] : 0.f;
+  // All blocks initialised (and running) before anyone stores into them.
+  cluster.sync();
+
+  for (int k = 0; k < a.num_steps; ++k) {
+    const float t = step_time<float>(k, a.num_steps);
+    cluster_layer<kHidden>(cluster, num_blocks, smem + L.X, a.ldD, smem + L.W1, nj, j0, smem + L.B1,
+                           smem + L.WT, t, smem + L.H1, a.ldH, a.rows, a.dt);
+    cluster.sync();
+    cluster_layer<kHidden>(cluster, num_blocks, smem + L.H1, a.ldH, smem + L.W2, nj, j0, smem + L.B2,
+                           nullptr, t, smem + L.H2, a.ldH, a.rows, a.dt);
+    cluster.sync();
+    cluster_layer<kUpdate>(cluster, num_blocks, smem + L.H2, a.ldH, smem + L.W3, nd, d0, smem + L.B3,
+                           nullptr, t, smem + L.X, a.ldD, a.rows, a.dt);
+    cluster.sync();
+  }
+  // After the last barrier no block touches another's shared memory, so each
+  // writes the columns it owns and may exit.
+  for (int i = tid; i < a.B * nd; i += kThreads) {
+    const int b = i / nd, d = d0 + (i - b * nd);
+    a.x[int64_t(b) * D + d] = smem[L.X + b * a.ldD + d];
+  }
+#else
+  __trap();  // launched only on compute capability >= 9.0
+#endif
+}
+
+int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+ClusterArgs cluster_args(const FlowEulerCall& c, int num_blocks) {
+  ClusterArgs a{};
+  a.x0 = c.x0.data_ptr<float>();
+  a.w1 = c.w1.data_ptr<float>();
+  a.b1 = c.b1.data_ptr<float>();
+  a.w2 = c.w2.data_ptr<float>();
+  a.b2 = c.b2.data_ptr<float>();
+  a.w3 = c.w3.data_ptr<float>();
+  a.b3 = c.b3.data_ptr<float>();
+  a.x = c.x.data_ptr<float>();
+  a.B = int(c.B), a.D = int(c.D), a.H = int(c.H), a.num_steps = int(c.num_steps);
+  a.n1 = (a.H + num_blocks - 1) / num_blocks;
+  a.n3 = (a.D + num_blocks - 1) / num_blocks;
+  a.ldD = round_up(a.D, kClusterKStride);
+  a.ldH = round_up(a.H, kClusterKStride);
+  a.rows = round_up(a.B, 8);
+  a.dt = flow_step_size<float>(c.num_steps);
+  return a;
+}
+
+size_t cluster_smem(const ClusterArgs& a) {
+  return sizeof(float) * size_t(ClusterLayout(a.n1, a.n3, a.ldD, a.ldH, a.rows).total);
+}
+
+cudaLaunchConfig_t cluster_config(int num_blocks, size_t smem, cudaLaunchAttribute* attr, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(num_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(num_blocks);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Whether one cluster of `num_blocks` blocks with `smem` bytes each can run
+// on the current device (16 needs the non-portable cluster size).  Cached:
+// the occupancy query costs about as much as a launch.
+bool cluster_fits(int num_blocks, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, size_t>, bool> cache;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, num_blocks, smem);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  bool ok = smem <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  if (ok) {
+    allow_dynamic_smem(flow_cluster_kernel, smem);
+    if (num_blocks > 8) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(flow_cluster_kernel,
+                                          cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    }
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = cluster_config(num_blocks, smem, attr, nullptr);
+    int clusters = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, flow_cluster_kernel, &cfg);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // an unsupported size is an answer, not an error
+      clusters = 0;
+    }
+    ok = clusters >= 1;
+  }
+  cache.emplace(key, ok);
+  return ok;
+}
+
+// The cluster size to use for this call, or 0 when the cluster path does not apply.
+int cluster_blocks_for(const FlowEulerCall& c) {
+  if (c.B > kClusterMaxB || c.x.scalar_type() != at::kFloat) return 0;
+  if (at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
+  if (c.D > (1 << 20) || c.H > (1 << 20)) return 0;
+  for (int num_blocks : {16, 8}) {
+    if (cluster_fits(num_blocks, cluster_smem(cluster_args(c, num_blocks)))) return num_blocks;
+  }
+  return 0;
+}
+
+void launch_cluster(const FlowEulerCall& c, int num_blocks) {
+  const ClusterArgs a = cluster_args(c, num_blocks);
+  const size_t smem = cluster_smem(a);
+  allow_dynamic_smem(flow_cluster_kernel, smem);  // cached: a no-op after the first call
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = cluster_config(num_blocks, smem, attr, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, flow_cluster_kernel, a));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------
+// tiled path (sm_80+, 3xTF32 tensor cores)
+// ---------------------------------------------------------------------------
+
+constexpr int kTileRows = 32;               // two m16 tiles
+constexpr int kKChunk = 32;                 // weight columns staged per chunk
+constexpr int kChunkLd = kKChunk + 4;       // == 4 (mod 32): conflict-free fragment reads
+constexpr int kPassCols = kWarps * 4 * 8;   // output columns per pass: 4 n8-tiles per warp
+constexpr int kStage = kPassCols * kKChunk / kThreads;  // staged elements per thread
+
+struct TiledArgs {
+  const float *x0, *w1, *b1, *w2, *b2, *w3, *b3;
+  float* x;
+  int B, D, H, num_steps;
+  int KpD, KpH;  // D, H rounded up to kKChunk
+  float dt;
+};
+
+// Shared memory of one tile block, in floats.  Activation rows are K padded
+// to kKChunk plus 4 (== 4 mod 32, so the 8 rows x 4 columns of an A fragment
+// hit 32 different banks).
+struct TiledLayout {
+  int ldD, ldH, X, H1, H2, W, B1, WT, B2, B3, total;
+  __host__ __device__ TiledLayout(int KpD, int KpH, int D, int H) {
+    ldD = KpD + 4;
+    ldH = KpH + 4;
+    X = 0;
+    H1 = X + kTileRows * ldD;
+    H2 = H1 + kTileRows * ldH;
+    W = H2 + kTileRows * ldH;
+    B1 = W + 2 * kPassCols * kChunkLd;
+    WT = B1 + H;
+    B2 = WT + H;
+    B3 = B2 + H;
+    total = B3 + D;
+  }
+};
+
+// One layer of the tile kernel: out[r, n] for the tile's 32 rows and n < N
+// from in[r, k < K] (row stride ld_in, zero for K <= k < Kp) and the global
+// weights W[n, k] (row stride ld_w).  See the file comment for the schedule.
+template <int MODE>
+__device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int K, int Kp,
+                                            const float* __restrict__ W, int ld_w, int N,
+                                            float* out, int ld_out, const float* bias,
+                                            const float* w_time, float t, float dt, float* wbuf) {
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+  const int g = lane / 4, tq = lane % 4;
+  const int kchunks = Kp / kKChunk, passes = (N + kPassCols - 1) / kPassCols;
+  const int num_chunks = kchunks * passes;
+
+  // Staging: element i of a thread is (row tid/32 + 8 i, column lane) of the
+  // chunk, so each warp reads 128 contiguous bytes of one weight row.
+  float stage[kStage];
+  auto load = [&](int q) {
+    const int p = q / kchunks, kc = q - p * kchunks;
+    const int k = kc * kKChunk + lane;
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) {
+      const int n = p * kPassCols + warp + kWarps * i;
+      stage[i] = (n < N && k < K) ? __ldg(W + int64_t(n) * ld_w + k) : 0.f;
+    }
+  };
+
+  // The previous layer's last chunks may still be read from wbuf, and its
+  // output (this layer's input) written: wait for every warp.
+  __syncthreads();
+  float acc[2][4][4];
+  load(0);
+  for (int q = 0; q < num_chunks; ++q) {
+    const int p = q / kchunks, kc = q - p * kchunks;
+    float* buf = wbuf + (q & 1) * kPassCols * kChunkLd;
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) buf[(warp + kWarps * i) * kChunkLd + lane] = stage[i];
+    // buf was last read for chunk q - 2, before every thread passed the
+    // barrier of chunk q - 1; this barrier publishes the stores.
+    __syncthreads();
+    if (q + 1 < num_chunks) load(q + 1);
+    if (kc == 0) {
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kKChunk; kk += 8) {
+      const int k = kc * kKChunk + kk;
+      cuda::SplitTf32 a[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const float* r0 = in + (m * 16 + g) * ld_in + k + tq;
+        const float* r8 = r0 + 8 * ld_in;
+        a[m][0] = cuda::split_tf32(r0[0]);
+        a[m][1] = cuda::split_tf32(r8[0]);
+        a[m][2] = cuda::split_tf32(r0[4]);
+        a[m][3] = cuda::split_tf32(r8[4]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n_local = (warp + kWarps * i) * 8;
+        if (p * kPassCols + n_local >= N) continue;  // warp-uniform
+        const float* wcol = buf + (n_local + g) * kChunkLd + kk + tq;
+        const cuda::SplitTf32 b[2] = {cuda::split_tf32(wcol[0]), cuda::split_tf32(wcol[4])};
+        cuda::mma_3xtf32_m16n8k8(acc[0][i], a[0], b);
+        cuda::mma_3xtf32_m16n8k8(acc[1][i], a[1], b);
+      }
+    }
+    if (kc == kchunks - 1) {
+      // Epilogue of pass p.  Accumulator e of tile (m, i) is row
+      // m*16 + g + 8*(e/2), column 2*tq + e%2 of the n-tile.
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = m * 16 + g + 8 * (e / 2);
+            const int col = p * kPassCols + (warp + kWarps * i) * 8 + 2 * tq + (e % 2);
+            if (col >= N) continue;
+            float s = acc[m][i][e];
+            float* o = out + row * ld_out + col;
+            if (MODE == kHidden) {
+              if (w_time != nullptr) s += t * w_time[col];
+              *o = silu(s + bias[col]);
+            } else {
+              *o = euler_step(*o, dt, s + bias[col]);
+            }
+          }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ float4 tiled_smem4[];
+  float* smem = reinterpret_cast<float*>(tiled_smem4);
+  const TiledLayout L(a.KpD, a.KpH, a.D, a.H);
+  const int D = a.D, H = a.H, tid = threadIdx.x;
+  const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
+  const int64_t remaining = a.B - row0;
+  const int rows = remaining < kTileRows ? int(remaining) : kTileRows;
+
+  // Rows past B and columns past D / H are zero and stay zero in the
+  // columns (never written); the extra rows evolve harmlessly and are not
+  // stored.
+  stage_rows(smem + L.X, kTileRows, L.ldD, a.x0 + row0 * D, D, rows, D);
+  for (int i = tid; i < 2 * kTileRows * L.ldH; i += kThreads) smem[L.H1 + i] = 0.f;
+  for (int j = tid; j < H; j += kThreads) {
+    smem[L.B1 + j] = a.b1[j];
+    smem[L.WT + j] = a.w1[int64_t(j) * (D + 1) + D];
+    smem[L.B2 + j] = a.b2[j];
+  }
+  for (int d = tid; d < D; d += kThreads) smem[L.B3 + d] = a.b3[d];
+  // (tiled_layer begins with a barrier.)
+
+  float* wbuf = smem + L.W;
+  for (int k = 0; k < a.num_steps; ++k) {
+    const float t = step_time<float>(k, a.num_steps);
+    tiled_layer<kHidden>(smem + L.X, L.ldD, D, a.KpD, a.w1, D + 1, H, smem + L.H1, L.ldH, smem + L.B1,
+                         smem + L.WT, t, a.dt, wbuf);
+    tiled_layer<kHidden>(smem + L.H1, L.ldH, H, a.KpH, a.w2, H, H, smem + L.H2, L.ldH, smem + L.B2,
+                         nullptr, t, a.dt, wbuf);
+    tiled_layer<kUpdate>(smem + L.H2, L.ldH, H, a.KpH, a.w3, H, D, smem + L.X, L.ldD, smem + L.B3,
+                         nullptr, t, a.dt, wbuf);
+  }
+  __syncthreads();
+  for (int i = tid; i < rows * D; i += kThreads) {
+    const int r = i / D, d = i - r * D;
+    a.x[(row0 + r) * D + d] = smem[L.X + r * L.ldD + d];
+  }
+#else
+  __trap();  // launched only on compute capability >= 8.0
+#endif
+}
+
+TiledArgs tiled_args(const FlowEulerCall& c) {
+  TiledArgs a{};
+  a.x0 = c.x0.data_ptr<float>();
+  a.w1 = c.w1.data_ptr<float>();
+  a.b1 = c.b1.data_ptr<float>();
+  a.w2 = c.w2.data_ptr<float>();
+  a.b2 = c.b2.data_ptr<float>();
+  a.w3 = c.w3.data_ptr<float>();
+  a.b3 = c.b3.data_ptr<float>();
+  a.x = c.x.data_ptr<float>();
+  a.B = int(c.B), a.D = int(c.D), a.H = int(c.H), a.num_steps = int(c.num_steps);
+  a.KpD = round_up(a.D, kKChunk);
+  a.KpH = round_up(a.H, kKChunk);
+  a.dt = flow_step_size<float>(c.num_steps);
+  return a;
+}
+
+size_t tiled_smem(const TiledArgs& a) {
+  return sizeof(float) * size_t(TiledLayout(a.KpD, a.KpH, a.D, a.H).total);
+}
+
+bool tiled_applies(const FlowEulerCall& c) {
+  if (c.x.scalar_type() != at::kFloat) return false;
+  if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;
+  if (c.D > (1 << 16) || c.H > (1 << 16) || c.B > int64_t(INT_MAX) - kTileRows) return false;
+  return tiled_smem(tiled_args(c)) <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+}
+
+void launch_tiled(const FlowEulerCall& c) {
+  const TiledArgs a = tiled_args(c);
+  const size_t smem = tiled_smem(a);
+  allow_dynamic_smem(flow_tiled_kernel, smem);
+  const unsigned grid = unsigned((c.B + kTileRows - 1) / kTileRows);
+  flow_tiled_kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------
+// entry point
+// ---------------------------------------------------------------------------
+
+at::Tensor flow_euler_cuda(const at::Tensor& x0, const at::Tensor& w1, const at::Tensor& b1,
+                           const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& w3,
+                           const at::Tensor& b3, int64_t num_steps) {
+  // x0 may be the CPU tensor of a CPU/CUDA mix: the checks in FlowEulerCall
+  // then name it, so only guard a CUDA device here.
+  const c10::cuda::OptionalCUDAGuard guard(x0.is_cuda() ? std::make_optional(x0.device())
+                                                        : std::nullopt);
+  FlowEulerCall c(x0, w1, b1, w2, b2, w3, b3, num_steps);
+  TORCH_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", x0.device());
+  TORCH_CHECK(num_steps <= INT_MAX, "num_steps must fit in int32, got ", num_steps);
+  if (c.B == 0) return c.x;
+  // Path rule (see the file comment): cluster for small float32 batches on
+  // sm_90 when the weight slices fit, else the tensor-core tile kernel for
+  // float32 on sm_80+ when a tile fits, else the general kernels.
+  if (const int blocks = cluster_blocks_for(c)) {
+    launch_cluster(c, blocks);
+  } else if (tiled_applies(c)) {
+    launch_tiled(c);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "flow_euler_cuda", [&] { launch_general<scalar_t>(c); });
+  }
+  return c.x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("flow_euler", &flow_euler_cuda); }
+
+}  // namespace fused_ops
