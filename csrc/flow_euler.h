@@ -2,9 +2,6 @@
 // wrappers, and the per-device entry points.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-
 #include "common/checks.h"
 
 namespace fused_ops {
@@ -13,11 +10,11 @@ struct FlowEulerSizes {
   int64_t B, D, H;
 };
 
-inline FlowEulerSizes check_flow_euler_args(const at::Tensor& x0, const at::Tensor& w1,
-                                            const at::Tensor& b1, const at::Tensor& w2,
-                                            const at::Tensor& b2, const at::Tensor& w3,
-                                            const at::Tensor& b3, int64_t num_steps) {
-  TORCH_CHECK(num_steps >= 1, "num_steps must be at least 1, got ", num_steps);
+inline FlowEulerSizes check_flow_euler_args(const Tensor& x0, const Tensor& w1,
+                                            const Tensor& b1, const Tensor& w2,
+                                            const Tensor& b2, const Tensor& w3,
+                                            const Tensor& b3, int64_t num_steps) {
+  FUSED_OPS_CHECK(num_steps >= 1, "num_steps must be at least 1, got ", num_steps);
   check_rank(x0, "x0", 2, "[B, D]");
   check_rank(w1, "w1", 2, "[H, D + 1]");
   check_rank(b1, "b1", 1, "[H]");
@@ -26,9 +23,9 @@ inline FlowEulerSizes check_flow_euler_args(const at::Tensor& x0, const at::Tens
   check_rank(w3, "w3", 2, "[D, H]");
   check_rank(b3, "b3", 1, "[D]");
   const int64_t B = x0.size(0), D = x0.size(1), H = w1.size(0);
-  TORCH_CHECK(D >= 1, "x0 must have at least one feature (D >= 1), got shape ", x0.sizes());
-  TORCH_CHECK(H >= 1, "w1 must have at least one hidden unit (H = w1.shape[0] >= 1), got shape ",
-              w1.sizes());
+  FUSED_OPS_CHECK(D >= 1, "x0 must have at least one feature (D >= 1), got shape ", shape_str(x0));
+  FUSED_OPS_CHECK(H >= 1, "w1 must have at least one hidden unit (H = w1.shape[0] >= 1), got shape ",
+              shape_str(w1));
   // w1's last input column multiplies the time feature t.
   check_size(w1, "w1", 1, D + 1, "D + 1: the features of x0 plus the time t");
   check_size(b1, "b1", 0, H, "H, the hidden width w1.shape[0]");
@@ -62,27 +59,27 @@ inline T flow_step_size(int64_t num_steps) {
 // One call's checked sizes, contiguous inputs and freshly allocated output.
 struct FlowEulerCall {
   int64_t B, D, H, num_steps;
-  at::Tensor x0, w1, b1, w2, b2, w3, b3;
-  at::Tensor x;
+  Tensor x0, w1, b1, w2, b2, w3, b3;
+  Tensor x;
 
-  FlowEulerCall(const at::Tensor& x0_, const at::Tensor& w1_, const at::Tensor& b1_,
-                const at::Tensor& w2_, const at::Tensor& b2_, const at::Tensor& w3_,
-                const at::Tensor& b3_, int64_t num_steps_) {
+  FlowEulerCall(const Tensor& x0_, const Tensor& w1_, const Tensor& b1_,
+                const Tensor& w2_, const Tensor& b2_, const Tensor& w3_,
+                const Tensor& b3_, int64_t num_steps_) {
     const auto sizes = check_flow_euler_args(x0_, w1_, b1_, w2_, b2_, w3_, b3_, num_steps_);
     B = sizes.B, D = sizes.D, H = sizes.H, num_steps = num_steps_;
-    x0 = x0_.contiguous();
-    w1 = w1_.contiguous();
-    b1 = b1_.contiguous();
-    w2 = w2_.contiguous();
-    b2 = b2_.contiguous();
-    w3 = w3_.contiguous();
-    b3 = b3_.contiguous();
-    x = at::empty({B, D}, x0_.options().memory_format(at::MemoryFormat::Contiguous));
+    x0 = as_contiguous(x0_);
+    w1 = as_contiguous(w1_);
+    b1 = as_contiguous(b1_);
+    w2 = as_contiguous(w2_);
+    b2 = as_contiguous(b2_);
+    w3 = as_contiguous(w3_);
+    b3 = as_contiguous(b3_);
+    x = empty_like_device(x0_, {B, D});
   }
 };
 
-at::Tensor flow_euler_cpu(const at::Tensor& x0, const at::Tensor& w1, const at::Tensor& b1,
-                          const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& w3,
-                          const at::Tensor& b3, int64_t num_steps);
+Tensor flow_euler_cpu(const Tensor& x0, const Tensor& w1, const Tensor& b1,
+                          const Tensor& w2, const Tensor& b2, const Tensor& w3,
+                          const Tensor& b3, int64_t num_steps);
 
 }  // namespace fused_ops

@@ -754,6 +754,10 @@ def test_cpu_baseline_isa_matches_reference(tmp_path):
         "            torch.testing.assert_close(g, w, atol=tol, rtol=tol)\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    # The child imports the fused_ops this process imported (installed, or
+    # built in place in a source tree).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fused_ops.__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

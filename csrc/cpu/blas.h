@@ -31,18 +31,34 @@ Tensor cpu_view(const T* data, int64_t rows, int64_t cols, int64_t row_stride, i
 // out[m, n] = a[m, k] @ w[n, k]^T: an nn.Linear without its bias.  Each
 // matrix is row-major with the given row stride (lda >= k, ldw >= k, ldo >= n),
 // so a row block of a larger matrix or the first k columns of a weight work
-// without copies.
+// without copies.  The views are built once; run() can repeat the product
+// on whatever the buffers hold (an integrator's steps reuse them).
+template <typename T>
+class LinearNT {
+ public:
+  LinearNT(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t ldo, int64_t m,
+           int64_t n, int64_t k)
+      : a_(cpu_view(a, m, k, lda, 1)),
+        wt_(cpu_view(w, k, n, 1, ldw)),  // w^T as a strided view, read in place
+        out_(cpu_view(out, m, n, ldo, 1)) {}
+
+  void run() const {
+    using torch::stable::detail::from;
+    using torch::stable::detail::to;
+    std::array<StableIValue, 3> stack{from(a_), from(wt_), from(out_)};
+    STABLE_TORCH_ERROR_CODE_CHECK(
+        torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
+    (void)to<Tensor>(stack[0]);  // the returned alias of `out`: release its handle
+  }
+
+ private:
+  Tensor a_, wt_, out_;
+};
+
 template <typename T>
 void linear_nt(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t ldo, int64_t m,
                int64_t n, int64_t k) {
-  using torch::stable::detail::from;
-  using torch::stable::detail::to;
-  std::array<StableIValue, 3> stack{from(cpu_view(a, m, k, lda, 1)),
-                                    from(cpu_view(w, k, n, 1, ldw)),  // w^T as a strided view
-                                    from(cpu_view(out, m, n, ldo, 1))};
-  STABLE_TORCH_ERROR_CODE_CHECK(
-      torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
-  (void)to<Tensor>(stack[0]);  // the returned alias of `out`: release its handle
+  LinearNT<T>(a, lda, w, ldw, out, ldo, m, n, k).run();
 }
 
 }  // namespace cpu

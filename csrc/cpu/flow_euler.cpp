@@ -5,8 +5,8 @@
 // its own before the next block starts on that thread: its activations
 // (2 x kRowBlock x H values) stay in L2 next to the weights, instead of every
 // layer streaming a [B, H] tensor through memory as the reference does.
-// Per step and block: three ATen BLAS products (at::mm_out, single-threaded
-// inside the parallel region) and, between them, one fused pass that adds the
+// Per step and block: three BLAS products (cpu/blas.h: torch's BLAS,
+// single-threaded inside the parallel region) and, between them, one fused pass that adds the
 // bias and applies SiLU (layers 1, 2) or adds the bias and does the Euler
 // update x += dt * v (layer 3).  The time feature t is folded into layer 1's
 // bias, c1 = b1 + t * w1[:, D], so the product reads x in place and no [B, D+1]
@@ -19,16 +19,13 @@
 // use several threads; results are then reproducible run to run at a given
 // thread count.
 
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "cpu/blas.h"
 #include "cpu/vec_math.h"
 #include "flow_euler.h"
 
@@ -110,13 +107,12 @@ struct FlowArgs {
   int64_t B, D, H, num_steps;
 };
 
-// Rows [r0, r1) through all steps.  The tensors are views of raw memory
-// (from_blob: no autograd history, no copies); the weight views are the
-// transposes the products need, which the BLAS reads in place.
+// Rows [r0, r1) through all steps.  The products work on views of raw memory
+// (no copies); the weight views are the transposes the products need, which
+// the BLAS reads in place.
 template <typename T>
 void run_rows(const FlowArgs<T>& a, int64_t r0, int64_t r1) {
   const int64_t R = r1 - r0, D = a.D, H = a.H;
-  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
   std::vector<T> buffer(2 * R * H + R * D + H);
   T* h1 = buffer.data();
   T* h2 = h1 + R * H;
@@ -125,17 +121,10 @@ void run_rows(const FlowArgs<T>& a, int64_t r0, int64_t r1) {
   T* x = a.x + r0 * D;
   std::copy(a.x0 + r0 * D, a.x0 + r1 * D, x);
 
-  auto view = [&](const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
-    return at::from_blob(const_cast<T*>(p), sizes, strides, opts);
-  };
-  // w1[:, :D]^T is [D, H] with strides (1, D + 1): the time column is skipped.
-  const at::Tensor w1t = view(a.w1, {D, H}, {1, D + 1});
-  const at::Tensor w2t = view(a.w2, {H, H}, {1, H});
-  const at::Tensor w3t = view(a.w3, {H, D}, {1, H});
-  const at::Tensor xs = view(x, {R, D}, {D, 1});
-  at::Tensor h1s = view(h1, {R, H}, {H, 1});
-  at::Tensor h2s = view(h2, {R, H}, {H, 1});
-  at::Tensor vs = view(v, {R, D}, {D, 1});
+  // Layer 1 reads only w1[:, :D] (row stride D + 1): the time column is in c1.
+  const cpu::LinearNT<T> layer1(x, D, a.w1, D + 1, h1, H, R, H, D);
+  const cpu::LinearNT<T> layer2(h1, H, a.w2, H, h2, H, R, H, H);
+  const cpu::LinearNT<T> layer3(h2, H, a.w3, H, v, D, R, D, H);
 
   auto bias_silu = &bias_silu_baseline<T>;
   auto euler_update = &euler_update_baseline<T>;
@@ -149,11 +138,11 @@ void run_rows(const FlowArgs<T>& a, int64_t r0, int64_t r1) {
   for (int64_t k = 0; k < a.num_steps; ++k) {
     const T t = flow_step_time<T>(k, a.num_steps);
     for (int64_t j = 0; j < H; ++j) c1[j] = a.b1[j] + t * a.w1[j * (D + 1) + D];
-    at::mm_out(h1s, xs, w1t);
+    layer1.run();
     bias_silu(h1, c1, R, H);
-    at::mm_out(h2s, h1s, w2t);
+    layer2.run();
     bias_silu(h2, a.b2, R, H);
-    at::mm_out(vs, h2s, w3t);
+    layer3.run();
     euler_update(x, v, a.b3, dt, R, D);
   }
 }
@@ -166,28 +155,28 @@ void flow_euler_kernel(const FlowArgs<T>& a) {
     run_rows(a, 0, a.B);
     return;
   }
-  at::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
+  torch::stable::parallel_for(0, num_blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) run_rows(a, b * kRowBlock, std::min(a.B, (b + 1) * kRowBlock));
   });
 }
 
 }  // namespace
 
-at::Tensor flow_euler_cpu(const at::Tensor& x0, const at::Tensor& w1, const at::Tensor& b1,
-                          const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& w3,
-                          const at::Tensor& b3, int64_t num_steps) {
+Tensor flow_euler_cpu(const Tensor& x0, const Tensor& w1, const Tensor& b1, const Tensor& w2,
+                      const Tensor& b2, const Tensor& w3, const Tensor& b3, int64_t num_steps) {
   FlowEulerCall c(x0, w1, b1, w2, b2, w3, b3, num_steps);
   if (c.B == 0) return c.x;
-  AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "flow_euler_cpu", [&] {
-    flow_euler_kernel<scalar_t>({c.x0.data_ptr<scalar_t>(), c.w1.data_ptr<scalar_t>(),
-                                 c.b1.data_ptr<scalar_t>(), c.w2.data_ptr<scalar_t>(),
-                                 c.b2.data_ptr<scalar_t>(), c.w3.data_ptr<scalar_t>(),
-                                 c.b3.data_ptr<scalar_t>(), c.x.data_ptr<scalar_t>(), c.B, c.D,
-                                 c.H, c.num_steps});
+  dispatch_float(c.x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    flow_euler_kernel<T>({c.x0.const_data_ptr<T>(), c.w1.const_data_ptr<T>(),
+                          c.b1.const_data_ptr<T>(), c.w2.const_data_ptr<T>(),
+                          c.b2.const_data_ptr<T>(), c.w3.const_data_ptr<T>(),
+                          c.b3.const_data_ptr<T>(), c.x.mutable_data_ptr<T>(), c.B, c.D, c.H,
+                          c.num_steps});
   });
   return c.x;
 }
 
-TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("flow_euler", &flow_euler_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("flow_euler", TORCH_BOX(&flow_euler_cpu)); }
 
 }  // namespace fused_ops

@@ -42,15 +42,11 @@
 // Every sum has a fixed order (no atomics), so results are bitwise
 // reproducible for the same inputs and device.
 
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <climits>
@@ -60,6 +56,7 @@
 #include <tuple>
 
 #include "cuda/reductions.cuh"
+#include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
 #include "flow_euler.h"
 
@@ -91,22 +88,6 @@ __device__ __forceinline__ double euler_step(double x, double dt, double v) {
 template <typename T>
 __device__ __forceinline__ T step_time(int k, int num_steps) {
   return T((double(k) + 0.5) / double(num_steps));
-}
-
-// Sets a kernel's dynamic shared memory limit to at least `smem` on the
-// current device, once per (kernel, device, size).
-template <typename Kernel>
-void allow_dynamic_smem(Kernel kernel, size_t smem) {
-  if (smem <= 48 * 1024) return;
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int>, size_t> done;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& have = done[std::make_tuple(reinterpret_cast<const void*>(kernel), device)];
-  if (have >= smem) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  have = smem;
 }
 
 // dst[r, k] (row stride ld, total_rows rows) = src[r, k] (row stride src_ld)
@@ -167,26 +148,26 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 void launch_general(const FlowEulerCall& c) {
   const int64_t B = c.B, D = c.D, H = c.H;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  T* x = c.x.data_ptr<T>();
-  const T* w1 = c.w1.data_ptr<T>();
-  at::Tensor h1 = at::empty({B, H}, c.x.options());
-  at::Tensor h2 = at::empty({B, H}, c.x.options());
-  C10_CUDA_CHECK(cudaMemcpyAsync(x, c.x0.data_ptr<T>(), sizeof(T) * B * D, cudaMemcpyDeviceToDevice, stream));
+  const auto stream = cuda::current_stream(cuda::current_device());
+  T* x = c.x.mutable_data_ptr<T>();
+  const T* w1 = c.w1.const_data_ptr<T>();
+  Tensor h1 = empty_like_device(c.x, {B, H});
+  Tensor h2 = empty_like_device(c.x, {B, H});
+  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(x, c.x0.const_data_ptr<T>(), sizeof(T) * B * D, cudaMemcpyDeviceToDevice, stream));
   auto grid = [](int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 8192)); };
   const T dt = flow_step_size<T>(c.num_steps);
   for (int64_t k = 0; k < c.num_steps; ++k) {
     const T t = flow_step_time<T>(k, c.num_steps);
     general_layer_kernel<T, kHidden><<<grid(B * H), kThreads, 0, stream>>>(
-        x, B, D, w1, D + 1, w1 + D, c.b1.data_ptr<T>(), H, t, dt, h1.data_ptr<T>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        x, B, D, w1, D + 1, w1 + D, c.b1.const_data_ptr<T>(), H, t, dt, h1.mutable_data_ptr<T>());
+    FUSED_OPS_CUDA_LAUNCH_CHECK();
     general_layer_kernel<T, kHidden><<<grid(B * H), kThreads, 0, stream>>>(
-        h1.data_ptr<T>(), B, H, c.w2.data_ptr<T>(), H, nullptr, c.b2.data_ptr<T>(), H, t, dt,
-        h2.data_ptr<T>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        h1.mutable_data_ptr<T>(), B, H, c.w2.const_data_ptr<T>(), H, nullptr, c.b2.const_data_ptr<T>(), H, t, dt,
+        h2.mutable_data_ptr<T>());
+    FUSED_OPS_CUDA_LAUNCH_CHECK();
     general_layer_kernel<T, kUpdate><<<grid(B * D), kThreads, 0, stream>>>(
-        h2.data_ptr<T>(), B, H, c.w3.data_ptr<T>(), H, nullptr, c.b3.data_ptr<T>(), D, t, dt, x);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+        h2.mutable_data_ptr<T>(), B, H, c.w3.const_data_ptr<T>(), H, nullptr, c.b3.const_data_ptr<T>(), D, t, dt, x);
+    FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 }
 
@@ -354,14 +335,14 @@ int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
 ClusterArgs cluster_args(const FlowEulerCall& c, int num_blocks) {
   ClusterArgs a{};
-  a.x0 = c.x0.data_ptr<float>();
-  a.w1 = c.w1.data_ptr<float>();
-  a.b1 = c.b1.data_ptr<float>();
-  a.w2 = c.w2.data_ptr<float>();
-  a.b2 = c.b2.data_ptr<float>();
-  a.w3 = c.w3.data_ptr<float>();
-  a.b3 = c.b3.data_ptr<float>();
-  a.x = c.x.data_ptr<float>();
+  a.x0 = c.x0.const_data_ptr<float>();
+  a.w1 = c.w1.const_data_ptr<float>();
+  a.b1 = c.b1.const_data_ptr<float>();
+  a.w2 = c.w2.const_data_ptr<float>();
+  a.b2 = c.b2.const_data_ptr<float>();
+  a.w3 = c.w3.const_data_ptr<float>();
+  a.b3 = c.b3.const_data_ptr<float>();
+  a.x = c.x.mutable_data_ptr<float>();
   a.B = int(c.B), a.D = int(c.D), a.H = int(c.H), a.num_steps = int(c.num_steps);
   a.n1 = (a.H + num_blocks - 1) / num_blocks;
   a.n3 = (a.D + num_blocks - 1) / num_blocks;
@@ -397,17 +378,16 @@ cudaLaunchConfig_t cluster_config(int num_blocks, size_t smem, cudaLaunchAttribu
 bool cluster_fits(int num_blocks, size_t smem) {
   static std::mutex mutex;
   static std::map<std::tuple<int, int, size_t>, bool> cache;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = cuda::current_device();
   std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_tuple(device, num_blocks, smem);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  bool ok = smem <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  bool ok = smem <= cuda::max_shared_memory_per_block();
   if (ok) {
-    allow_dynamic_smem(flow_cluster_kernel, smem);
+    cuda::allow_dynamic_smem(flow_cluster_kernel, smem);
     if (num_blocks > 8) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(flow_cluster_kernel,
+      FUSED_OPS_CUDA_CHECK(cudaFuncSetAttribute(flow_cluster_kernel,
                                           cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     }
     cudaLaunchAttribute attr[1];
@@ -426,8 +406,8 @@ bool cluster_fits(int num_blocks, size_t smem) {
 
 // The cluster size to use for this call, or 0 when the cluster path does not apply.
 int cluster_blocks_for(const FlowEulerCall& c) {
-  if (c.B > kClusterMaxB || c.x.scalar_type() != at::kFloat) return 0;
-  if (at::cuda::getCurrentDeviceProperties()->major < 9) return 0;
+  if (c.B > kClusterMaxB || c.x.scalar_type() != ScalarType::Float) return 0;
+  if (cuda::compute_capability_major() < 9) return 0;
   if (c.D > (1 << 20) || c.H > (1 << 20)) return 0;
   for (int num_blocks : {16, 8}) {
     if (cluster_fits(num_blocks, cluster_smem(cluster_args(c, num_blocks)))) return num_blocks;
@@ -438,11 +418,11 @@ int cluster_blocks_for(const FlowEulerCall& c) {
 void launch_cluster(const FlowEulerCall& c, int num_blocks) {
   const ClusterArgs a = cluster_args(c, num_blocks);
   const size_t smem = cluster_smem(a);
-  allow_dynamic_smem(flow_cluster_kernel, smem);  // cached: a no-op after the first call
+  cuda::allow_dynamic_smem(flow_cluster_kernel, smem);  // cached: a no-op after the first call
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = cluster_config(num_blocks, smem, attr, at::cuda::getCurrentCUDAStream());
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, flow_cluster_kernel, a));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cudaLaunchConfig_t cfg = cluster_config(num_blocks, smem, attr, cuda::current_stream(cuda::current_device()));
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, flow_cluster_kernel, a));
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
 // ---------------------------------------------------------------------------
@@ -624,14 +604,14 @@ __global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
 
 TiledArgs tiled_args(const FlowEulerCall& c) {
   TiledArgs a{};
-  a.x0 = c.x0.data_ptr<float>();
-  a.w1 = c.w1.data_ptr<float>();
-  a.b1 = c.b1.data_ptr<float>();
-  a.w2 = c.w2.data_ptr<float>();
-  a.b2 = c.b2.data_ptr<float>();
-  a.w3 = c.w3.data_ptr<float>();
-  a.b3 = c.b3.data_ptr<float>();
-  a.x = c.x.data_ptr<float>();
+  a.x0 = c.x0.const_data_ptr<float>();
+  a.w1 = c.w1.const_data_ptr<float>();
+  a.b1 = c.b1.const_data_ptr<float>();
+  a.w2 = c.w2.const_data_ptr<float>();
+  a.b2 = c.b2.const_data_ptr<float>();
+  a.w3 = c.w3.const_data_ptr<float>();
+  a.b3 = c.b3.const_data_ptr<float>();
+  a.x = c.x.mutable_data_ptr<float>();
   a.B = int(c.B), a.D = int(c.D), a.H = int(c.H), a.num_steps = int(c.num_steps);
   a.KpD = round_up(a.D, kKChunk);
   a.KpH = round_up(a.H, kKChunk);
@@ -644,35 +624,34 @@ size_t tiled_smem(const TiledArgs& a) {
 }
 
 bool tiled_applies(const FlowEulerCall& c) {
-  if (c.x.scalar_type() != at::kFloat) return false;
-  if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;
+  if (c.x.scalar_type() != ScalarType::Float) return false;
+  if (cuda::compute_capability_major() < 8) return false;
   if (c.D > (1 << 16) || c.H > (1 << 16) || c.B > int64_t(INT_MAX) - kTileRows) return false;
-  return tiled_smem(tiled_args(c)) <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  return tiled_smem(tiled_args(c)) <= cuda::max_shared_memory_per_block();
 }
 
 void launch_tiled(const FlowEulerCall& c) {
   const TiledArgs a = tiled_args(c);
   const size_t smem = tiled_smem(a);
-  allow_dynamic_smem(flow_tiled_kernel, smem);
+  cuda::allow_dynamic_smem(flow_tiled_kernel, smem);
   const unsigned grid = unsigned((c.B + kTileRows - 1) / kTileRows);
-  flow_tiled_kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  flow_tiled_kernel<<<grid, kThreads, smem, cuda::current_stream(cuda::current_device())>>>(a);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
 // ---------------------------------------------------------------------------
 // entry point
 // ---------------------------------------------------------------------------
 
-at::Tensor flow_euler_cuda(const at::Tensor& x0, const at::Tensor& w1, const at::Tensor& b1,
-                           const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& w3,
-                           const at::Tensor& b3, int64_t num_steps) {
+Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, const Tensor& w2,
+                       const Tensor& b2, const Tensor& w3, const Tensor& b3, int64_t num_steps) {
   // x0 may be the CPU tensor of a CPU/CUDA mix: the checks in FlowEulerCall
   // then name it, so only guard a CUDA device here.
-  const c10::cuda::OptionalCUDAGuard guard(x0.is_cuda() ? std::make_optional(x0.device())
-                                                        : std::nullopt);
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  if (x0.is_cuda()) guard.emplace(x0.get_device_index());
   FlowEulerCall c(x0, w1, b1, w2, b2, w3, b3, num_steps);
-  TORCH_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", x0.device());
-  TORCH_CHECK(num_steps <= INT_MAX, "num_steps must fit in int32, got ", num_steps);
+  FUSED_OPS_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", device_str(x0));
+  FUSED_OPS_CHECK(num_steps <= INT_MAX, "num_steps must fit in int32, got ", num_steps);
   if (c.B == 0) return c.x;
   // Path rule (see the file comment): cluster for small float32 batches on
   // sm_90 when the weight slices fit, else the tensor-core tile kernel for
@@ -682,13 +661,13 @@ at::Tensor flow_euler_cuda(const at::Tensor& x0, const at::Tensor& w1, const at:
   } else if (tiled_applies(c)) {
     launch_tiled(c);
   } else {
-    AT_DISPATCH_FLOATING_TYPES(c.x.scalar_type(), "flow_euler_cuda", [&] { launch_general<scalar_t>(c); });
+    dispatch_float(c.x.scalar_type(), [&](auto zero) { launch_general<decltype(zero)>(c); });
   }
   return c.x;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("flow_euler", &flow_euler_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("flow_euler", TORCH_BOX(&flow_euler_cuda)); }
 
 }  // namespace fused_ops

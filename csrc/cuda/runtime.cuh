@@ -10,6 +10,9 @@
 #include "common/checks.h"
 
 #include <array>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #define FUSED_OPS_CUDA_CHECK(expr)                                                        \
   do {                                                                                    \
@@ -51,6 +54,47 @@ inline int multiprocessor_count(int device) {
     cache[device] = n;
   }
   return cache[device];
+}
+
+// An attribute of the current device (compute capability, opt-in shared
+// memory per block, ...), cached per (device, attribute).
+inline int device_attribute(cudaDeviceAttr attr) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> cache;
+  const int device = current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, int(attr));
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int value = 0;
+  FUSED_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+  cache.emplace(key, value);
+  return value;
+}
+
+inline int compute_capability_major() {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor);
+}
+
+inline size_t max_shared_memory_per_block() {  // with the opt-in attribute set
+  return size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
+}
+
+// Sets a kernel's dynamic shared memory limit to at least `smem` on the
+// current device, once per (kernel, device, size): above 48 KB a kernel must
+// opt in before launch.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return;
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int>, size_t> done;
+  const int device = current_device();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& have = done[std::make_tuple(reinterpret_cast<const void*>(kernel), device)];
+  if (have >= smem) return;
+  FUSED_OPS_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  have = smem;
 }
 
 }  // namespace cuda
