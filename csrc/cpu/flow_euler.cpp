@@ -5,7 +5,7 @@
 // its own before the next block starts on that thread: its activations
 // (2 x kRowBlock x H values) stay in L2 next to the weights, instead of every
 // layer streaming a [B, H] tensor through memory as the reference does.
-// Per step and block: three BLAS products (cpu/blas.h: torch's BLAS,
+// Per step and block: three BLAS products (common/matmul.h: torch's BLAS,
 // single-threaded inside the parallel region) and, between them, one fused pass that adds the
 // bias and applies SiLU (layers 1, 2) or adds the bias and does the Euler
 // update x += dt * v (layer 3).  The time feature t is folded into layer 1's
@@ -25,7 +25,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "cpu/blas.h"
+#include "common/matmul.h"
 #include "cpu/vec_math.h"
 #include "flow_euler.h"
 
@@ -122,9 +122,9 @@ void run_rows(const FlowArgs<T>& a, int64_t r0, int64_t r1) {
   std::copy(a.x0 + r0 * D, a.x0 + r1 * D, x);
 
   // Layer 1 reads only w1[:, :D] (row stride D + 1): the time column is in c1.
-  const cpu::LinearNT<T> layer1(x, D, a.w1, D + 1, h1, H, R, H, D);
-  const cpu::LinearNT<T> layer2(h1, H, a.w2, H, h2, H, R, H, H);
-  const cpu::LinearNT<T> layer3(h2, H, a.w3, H, v, D, R, D, H);
+  const LinearNT<T> layer1(x, D, a.w1, D + 1, h1, H, R, H, D);
+  const LinearNT<T> layer2(h1, H, a.w2, H, h2, H, R, H, H);
+  const LinearNT<T> layer3(h2, H, a.w3, H, v, D, R, D, H);
 
   auto bias_silu = &bias_silu_baseline<T>;
   auto euler_update = &euler_update_baseline<T>;

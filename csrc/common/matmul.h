@@ -1,0 +1,84 @@
+// Matrix products on raw row-major buffers through torch's own matmul
+// (MKL/OpenBLAS on CPU, cuBLAS on CUDA), via the LibTorch stable ABI.
+//
+// A product wraps the buffers in non-owning tensors (from_blob, no copy) and
+// calls aten::mm.out through the stable dispatcher, so the result lands
+// straight in the caller's buffer; on CUDA it runs on torch's current stream,
+// the stream our kernels use.  Called inside torch::stable::parallel_for,
+// ATen runs a CPU product on the calling thread (it does not nest
+// parallelism), so per-block products over disjoint rows are race-free and
+// their results do not depend on the number of threads.
+#pragma once
+
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/stableivalue_conversions.h>
+
+#include <array>
+#include <type_traits>
+
+#include "common/checks.h"
+
+namespace fused_ops {
+
+template <typename T>
+Tensor matrix_view(const T* data, int64_t rows, int64_t cols, int64_t row_stride,
+                   int64_t col_stride, const torch::stable::Device& device) {
+  constexpr ScalarType dtype = std::is_same_v<T, double> ? ScalarType::Double : ScalarType::Float;
+  return torch::stable::from_blob(const_cast<T*>(data), {rows, cols}, {row_stride, col_stride},
+                                  device, dtype);
+}
+
+inline torch::stable::Device cpu_device() {
+  return torch::stable::Device(torch::headeronly::DeviceType::CPU);
+}
+
+// out = a @ b for any 2-D views (their strides may express transposes).
+inline void mm_out(const Tensor& a, const Tensor& b, const Tensor& out) {
+  using torch::stable::detail::from;
+  using torch::stable::detail::to;
+  std::array<StableIValue, 3> stack{from(a), from(b), from(out)};
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
+  (void)to<Tensor>(stack[0]);  // the returned alias of `out`: release its handle
+}
+
+// out[m, n] = a[m, k] @ w[n, k]^T: an nn.Linear without its bias.  Each
+// matrix is row-major with the given row stride (lda >= k, ldw >= k, ldo >= n),
+// so a row block of a larger matrix or the first k columns of a weight work
+// without copies.  The views are built once; run() can repeat the product
+// on whatever the buffers hold (an integrator's steps reuse them).  For
+// other layouts (a^T @ b for weight gradients, ...) use Matmul below.
+template <typename T>
+class LinearNT {
+ public:
+  LinearNT(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t ldo, int64_t m,
+           int64_t n, int64_t k, const torch::stable::Device& device = cpu_device())
+      : a_(matrix_view(a, m, k, lda, 1, device)),
+        wt_(matrix_view(w, k, n, 1, ldw, device)),  // w^T as a strided view, read in place
+        out_(matrix_view(out, m, n, ldo, 1, device)) {}
+
+  void run() const { mm_out(a_, wt_, out_); }
+
+ private:
+  Tensor a_, wt_, out_;
+};
+
+template <typename T>
+void linear_nt(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t ldo, int64_t m,
+               int64_t n, int64_t k, const torch::stable::Device& device = cpu_device()) {
+  LinearNT<T>(a, lda, w, ldw, out, ldo, m, n, k, device).run();
+}
+
+// out[m, n] = a @ b where a is [m, k] and b is [k, n], each given as a view
+// (data, row stride, column stride): a^T @ g (weight gradients) is
+// matmul(a_data, 1, lda, ...) with no copy.
+template <typename T>
+void matmul(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t b_rs, int64_t b_cs,
+            T* out, int64_t ldo, int64_t m, int64_t n, int64_t k,
+            const torch::stable::Device& device = cpu_device()) {
+  mm_out(matrix_view(a, m, k, a_rs, a_cs, device),
+                      matrix_view(b, k, n, b_rs, b_cs, device),
+                      matrix_view(out, m, n, ldo, 1, device));
+}
+
+}  // namespace fused_ops
