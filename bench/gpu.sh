@@ -4,6 +4,7 @@
 # a small run of every kernel path, and the benchmark.
 #
 #   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
+#   TEST_FILES="test_flow_euler.py" BENCH_ARGS="--ops flow" ...   # a narrower run
 #   FUSED_OPS_WHEEL=dist/x.whl OUT=... bash bench/gpu.sh
 #       installs that wheel (built elsewhere, e.g. on the CI machine) instead of
 #       building, and runs everything against the installed package from a
@@ -68,7 +69,10 @@ else
 fi
 cd "$RUN_DIR"
 $PY -c 'import fused_ops, json; print("fused_ops from", fused_ops.__file__); print(json.dumps(fused_ops.info()))' | tee -a "$SUMMARY"
-stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "$REPO/tests"
+# TEST_FILES narrows the suite (paths relative to tests/), e.g. for a re-run.
+TEST_PATHS=("$REPO/tests")
+if [[ -n "${TEST_FILES:-}" ]]; then TEST_PATHS=(); for f in $TEST_FILES; do TEST_PATHS+=("$REPO/tests/$f"); done; fi
+stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "${TEST_PATHS[@]}"
 tail -n 15 "$LOGS/tests.log"
 for tool in memcheck racecheck initcheck; do
   stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py"
