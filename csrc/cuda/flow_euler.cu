@@ -271,7 +271,10 @@ __device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int nu
     } else {
       value = euler_step(out[row * ld_out + col], dt, s + bias[j]);
     }
-    // The 4 lanes holding this row split the destination blocks.
+    // The 4 lanes holding this row split the destination blocks; in the
+    // update, one of them overwrites the x[row, col] all four just read, so
+    // the warp syncs first (lanes need not run in lockstep).
+    if (MODE != kHidden) __syncwarp();
     float* local = out + row * ld_out + col;
     for (int dst = lane & 3; dst < num_blocks; dst += 4) *cluster.map_shared_rank(local, dst) = value;
   }
