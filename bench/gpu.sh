@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a CUDA change needs before it is done, in one run on a GPU machine:
 # build, the test suite, compute-sanitizer (memcheck, racecheck, initcheck) over
-# a small run of every kernel path, and the benchmark.
+# a small run of every kernel path, kernel-vs-call timing, and the benchmark.
 #
 #   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
 #   TEST_FILES="test_flow_euler.py" BENCH_ARGS="--ops flow" ...   # a narrower run
@@ -78,6 +78,8 @@ for tool in memcheck racecheck initcheck; do
   stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
+stage kernels timeout 120 $PY -m bench.kernel_timing
+cat "$LOGS/kernels.log"
 stage bench timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" ${BENCH_ARGS:-}
 cat "$LOGS/bench.log"
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -1,0 +1,60 @@
+"""Where a fused call's time goes on the GPU: kernel (device) time vs. the
+time a back-to-back caller sees, for every workload and size of the
+benchmark.
+
+    python -m bench.kernel_timing            # CUDA only
+
+Kernel time comes from torch.profiler (sum of the CUDA kernels one call
+launches, averaged over calls); per-call time from torch.utils.benchmark, as
+in bench.benchmark.  The gap between them is host work: argument checks,
+allocation, the Python custom-op and autograd wrappers, the launch itself.
+"""
+
+import collections
+import sys
+
+import torch
+import torch.utils.benchmark as tb
+from torch.profiler import ProfilerActivity, profile
+
+from bench.benchmark import WORKLOADS
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("kernel timing needs a CUDA device", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    calls = 20
+    for workload in WORKLOADS.values():
+        if not workload.fused_available():
+            continue
+        for size, params in workload.sizes.items():
+            reference = workload.make_reference(params).cuda()
+            fused = workload.build_fused(reference)
+            inputs = tuple(t.cuda() for t in workload.make_inputs(params))
+            with torch.no_grad():
+                for _ in range(3):
+                    fused(*inputs)
+                torch.cuda.synchronize()
+                wall = tb.Timer("f(*x)", globals={"f": fused, "x": inputs}).blocked_autorange(min_run_time=1)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(calls):
+                        fused(*inputs)
+                    torch.cuda.synchronize()
+            kernels = collections.defaultdict(float)
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels[event.name[:90]] += event.device_time / calls
+            total = sum(kernels.values())
+            print(f"{workload.name}/{size} {params}: per call {wall.median * 1e6:.1f} us, "
+                  f"kernels {total:.1f} us/call")
+            for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                print(f"    {us:9.1f} us  {name}")
+            del reference, fused, inputs
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
