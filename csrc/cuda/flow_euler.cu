@@ -13,9 +13,14 @@
 //          rows).  A layer: each warp takes (neuron, 8-row chunk) items, its
 //          32 lanes split the dot products over k in float4 strides, a
 //          reduce-scatter over the lanes leaves each group of 4 lanes with
-//          one row's sum, and those 4 lanes push the activated value into the
-//          same slot of all C blocks' shared memory (distributed shared
-//          memory stores).  One cluster barrier per layer (3 per step)
+//          one row's sum; the activated values collect in a local slice
+//          [rows][n], which the block then pushes into the same columns of
+//          all C blocks' shared memory as contiguous float4 runs
+//          (distributed shared memory stores; the first version pushed each
+//          value as scattered scalar stores and took 292 us per call at the
+//          default size on the H200, bench/results/nvidia-h200-gpu-run.txt).
+//          One cluster barrier per
+//          layer (3 per step)
 //          publishes the pushes; single buffers suffice because a buffer is
 //          only overwritten two barriers after its last reader (x by layer 3
 //          after layer 1 read it, h1/h2 once per step).  Per step the
@@ -194,7 +199,7 @@ struct ClusterArgs {
 // come first (all sizes multiples of 128 floats, so each starts 16-byte
 // aligned), the per-neuron scalars last.
 struct ClusterLayout {
-  int W1, W2, W3, X, H1, H2, B1, WT, B2, B3, total;
+  int W1, W2, W3, X, H1, H2, STAGE, B1, WT, B2, B3, total;
   __host__ __device__ ClusterLayout(int n1, int n3, int ldD, int ldH, int rows) {
     W1 = 0;
     W2 = W1 + n1 * ldD;
@@ -202,7 +207,8 @@ struct ClusterLayout {
     X = W3 + n3 * ldH;
     H1 = X + rows * ldD;
     H2 = H1 + rows * ldH;
-    B1 = H2 + rows * ldH;
+    STAGE = H2 + rows * ldH;  // this block's slice of a layer's output, [rows][n]
+    B1 = STAGE + (rows * (n1 > n3 ? n1 : n3) + 3) / 4 * 4;
     WT = B1 + n1;
     B2 = WT + n1;
     B3 = B2 + n1;
@@ -227,13 +233,13 @@ __device__ __forceinline__ void scatter_round(float (&acc)[8], bool upper, int o
 // One layer of the cluster kernel (see the file comment).  `in` is this
 // block's full copy of the layer input ([rows][ld_in]), `w` its weight rows
 // ([n_local][ld_in]); the result for (row, first_neuron + j) goes to `out`
-// (same offset in every block of the cluster).
+// (same offset in every block of the cluster), through `stage`.
 template <int MODE>
 __device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int num_blocks,
                                               const float* in, int ld_in, const float* w,
                                               int n_local, int first_neuron, const float* bias,
                                               const float* w_time, float t, float* out,
-                                              int ld_out, int rows, float dt) {
+                                              int ld_out, int rows, float dt, float* stage) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int chunks = rows / 8, iters = ld_in / kClusterKStride;
   for (int item = warp; item < n_local * chunks; item += kWarps) {
@@ -271,12 +277,31 @@ __device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int nu
     } else {
       value = euler_step(out[row * ld_out + col], dt, s + bias[j]);
     }
-    // The 4 lanes holding this row split the destination blocks; in the
-    // update, one of them overwrites the x[row, col] all four just read, so
-    // the warp syncs first (lanes need not run in lockstep).
-    if (MODE != kHidden) __syncwarp();
-    float* local = out + row * ld_out + col;
-    for (int dst = lane & 3; dst < num_blocks; dst += 4) *cluster.map_shared_rank(local, dst) = value;
+    if ((lane & 3) == 0) stage[row * n_local + j] = value;
+  }
+  // Push the finished slice [rows][n_local] into every block's `out` (this
+  // one's included) as contiguous runs: whole float4s when the slice's
+  // columns are 16-byte aligned.  Scattered scalar stores, one value to 16
+  // blocks, cost far more than the layer's arithmetic (DSMEM traffic is
+  // per transaction).  The update reads x[row, col] above and overwrites it
+  // here, after the barrier.
+  __syncthreads();
+  if (n_local % 4 == 0 && first_neuron % 4 == 0) {
+    const int per_row = n_local / 4, per_dst = rows * per_row;
+    for (int i = threadIdx.x; i < num_blocks * per_dst; i += kThreads) {
+      const int dst = i / per_dst, rem = i - dst * per_dst;
+      const int row = rem / per_row, q = rem - row * per_row;
+      const float4 v = reinterpret_cast<const float4*>(stage + row * n_local)[q];
+      float* remote = cluster.map_shared_rank(out + row * ld_out + first_neuron, dst);
+      reinterpret_cast<float4*>(remote)[q] = v;
+    }
+  } else {
+    const int per_dst = rows * n_local;
+    for (int i = threadIdx.x; i < num_blocks * per_dst; i += kThreads) {
+      const int dst = i / per_dst, rem = i - dst * per_dst;
+      const int row = rem / n_local, j = rem - row * n_local;
+      *cluster.map_shared_rank(out + row * ld_out + first_neuron + j, dst) = stage[rem];
+    }
   }
 }
 #endif
@@ -314,13 +339,13 @@ __global__ void __launch_bounds__(kThreads) flow_cluster_kernel(ClusterArgs a) {
   for (int k = 0; k < a.num_steps; ++k) {
     const float t = step_time<float>(k, a.num_steps);
     cluster_layer<kHidden>(cluster, num_blocks, smem + L.X, a.ldD, smem + L.W1, nj, j0, smem + L.B1,
-                           smem + L.WT, t, smem + L.H1, a.ldH, a.rows, a.dt);
+                           smem + L.WT, t, smem + L.H1, a.ldH, a.rows, a.dt, smem + L.STAGE);
     cluster.sync();
     cluster_layer<kHidden>(cluster, num_blocks, smem + L.H1, a.ldH, smem + L.W2, nj, j0, smem + L.B2,
-                           nullptr, t, smem + L.H2, a.ldH, a.rows, a.dt);
+                           nullptr, t, smem + L.H2, a.ldH, a.rows, a.dt, smem + L.STAGE);
     cluster.sync();
     cluster_layer<kUpdate>(cluster, num_blocks, smem + L.H2, a.ldH, smem + L.W3, nd, d0, smem + L.B3,
-                           nullptr, t, smem + L.X, a.ldD, a.rows, a.dt);
+                           nullptr, t, smem + L.X, a.ldD, a.rows, a.dt, smem + L.STAGE);
     cluster.sync();
   }
   // After the last barrier no block touches another's shared memory, so each
