@@ -19,4 +19,8 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "importance_sampling(Tensor samples, Tensor mix_weights, Tensor mix_mus, Tensor mix_stds, "
       "Tensor q_mu, Tensor q_std) -> (Tensor weighted_mean, Tensor ess, Tensor log_weights)");
+  m.def(
+      "vae_elbo(Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, "
+      "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
+      "Tensor b_dec2) -> (Tensor elbo, Tensor recon, Tensor kl)");
 }

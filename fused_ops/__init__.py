@@ -4,6 +4,8 @@ Ops (``torch.ops.fused_ops.*``, also as documented Python functions here):
 
 - :func:`importance_sampling` -- self-normalised importance sampling with a
   Gaussian-mixture target and a diagonal Gaussian proposal.
+- :func:`vae_elbo` -- VAE forward pass with reparameterisation, BCE
+  reconstruction and KL (per-sample ELBO).
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
@@ -15,10 +17,10 @@ from ._loader import load_library as _load_library
 _load_library()
 
 from . import nn, reference  # noqa: E402
-from .ops import importance_sampling  # noqa: E402
+from .ops import importance_sampling, vae_elbo  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "nn", "reference", "info"]
+__all__ = ["importance_sampling", "vae_elbo", "nn", "reference", "info"]
 
 
 def info():

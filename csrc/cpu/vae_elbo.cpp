@@ -1,0 +1,217 @@
+// CPU kernel of fused_ops::vae_elbo.
+//
+// The batch is cut into blocks of kRows samples (fixed, never derived from the
+// thread count, so results are bitwise the same for any number of threads) and
+// each block runs the whole forward pass while its activations are
+// cache-resident: four BLAS products (mu and logvar share one, their weights
+// stacked), each followed by a fused epilogue -- bias + ReLU, the
+// reparameterisation and the KL row sums, and sigmoid + clamped BCE + the
+// reconstruction row sums.  Neither the decoder output nor p is ever written
+// out as a tensor.  Inside at::parallel_for the BLAS calls run single-threaded
+// on each block.
+//
+// BCE follows PyTorch exactly: p = 1 / (1 + exp(-a)), then
+//   (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100)
+// per element.  In float32 the row sums over I run in SIMD-lane partial sums
+// finished in double; exp/log are the vector polynomials of cpu/vec_math.h
+// (<= 2 ulp), with log1p(-p) from Goldberg's log(w) * u / (w - 1) so that it
+// keeps full relative accuracy when p is tiny.  Logits whose exp leaves the
+// polynomial's range (|a| > 87, where p may be denormal) take the scalar libm
+// route, so saturated and denormal probabilities clamp exactly as PyTorch's do.
+
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu/vec_math.h"
+#include "vae_elbo.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int64_t kRows = 64;  // samples per block
+
+template <typename T>
+struct Args {
+  const T *x, *eps, *w_enc, *b_enc, *w_mulv, *b_mulv, *w_dec1, *b_dec1, *w_dec2, *b_dec2;
+  int64_t B, I, H, L;
+  T *elbo, *recon, *kl;
+};
+
+// out[r, j] = in[r, :] . w[j, :] for r < rows, j < n (row-major, w is [n, k]),
+// through ATen's BLAS on tensors wrapping the raw buffers (plain tensors: no
+// autograd metadata, no allocation).
+template <typename T>
+void linear_nobias(const T* in, const T* w, T* out, int64_t rows, int64_t n, int64_t k) {
+  const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  at::Tensor in_t = at::from_blob(const_cast<T*>(in), {rows, k}, opts);
+  at::Tensor w_t = at::from_blob(const_cast<T*>(w), {n, k}, opts);
+  at::Tensor out_t = at::from_blob(out, {rows, n}, opts);
+  at::mm_out(out_t, in_t, w_t.t());
+}
+
+template <typename T>
+FUSED_OPS_INLINE T clamp_log(T v) {
+  return v < T(-100) ? T(-100) : v;  // NaN stays NaN, as std::max(NaN, -100) in PyTorch
+}
+
+// One BCE term with libm, PyTorch's formula verbatim.
+template <typename T>
+FUSED_OPS_INLINE T bce_term(T a, T x) {
+  const T p = T(1) / (T(1) + std::exp(-a));
+  return (x - T(1)) * clamp_log(T(std::log1p(-p))) - x * clamp_log(T(std::log(p)));
+}
+
+// Sum over one row of BCE(sigmoid(a[i]), x[i]).
+template <typename T, int VB>
+FUSED_OPS_INLINE double bce_row(const T* a, const T* x, int64_t I) {
+  if constexpr (!std::is_same_v<T, float>) {
+    double s = 0;
+    for (int64_t i = 0; i < I; ++i) s += bce_term(a[i], x[i]);
+    return s;
+  } else {
+    using V = cpu::Lanes<float, VB>;
+    constexpr int NL = cpu::kLanes<float, VB>;
+    V acc0 = {}, acc1 = {};
+    double tail = 0;
+    auto body = [&](const V& av, const V& xv, V& acc) {
+      const V e = cpu::exp(V{} - av);
+      const V p = 1.0f / (1.0f + e);
+      V lp = cpu::log(p);
+      lp = lp < -100.0f ? -100.0f : lp;
+      const V w = 1.0f - p;
+      // log1p(-p) = log(w) * (-p) / (w - 1), exact up to rounding even when
+      // 1 - p rounds; when w rounds to 1, log1p(-p) = -p to float precision.
+      V l1 = (cpu::log(w) * (V{} - p)) / (w - 1.0f);
+      l1 = w == 1.0f ? V{} - p : l1;
+      l1 = l1 < -100.0f ? -100.0f : l1;
+      acc += (xv - 1.0f) * l1 - xv * lp;
+    };
+    auto out_of_range = [](const V& av) {
+      const auto big = (av > 87.0f) | (av < -87.0f);
+      bool any = false;
+      for (int j = 0; j < NL; ++j) any |= big[j] != 0;
+      return any;
+    };
+    int64_t i = 0;
+    for (; i + 2 * NL <= I; i += 2 * NL) {
+      const V a0 = cpu::load_lanes<V>(a + i), a1 = cpu::load_lanes<V>(a + i + NL);
+      if (out_of_range(a0) || out_of_range(a1)) {
+        for (int j = 0; j < 2 * NL; ++j) tail += bce_term(a[i + j], x[i + j]);
+        continue;
+      }
+      body(a0, cpu::load_lanes<V>(x + i), acc0);
+      body(a1, cpu::load_lanes<V>(x + i + NL), acc1);
+    }
+    for (; i < I; ++i) tail += bce_term(a[i], x[i]);
+    const V acc = acc0 + acc1;
+    double s = tail;
+    for (int j = 0; j < NL; ++j) s += double(acc[j]);
+    return s;
+  }
+}
+
+template <typename T, int VB>
+FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
+  using acc_t = double;
+  const int64_t I = a.I, H = a.H, L = a.L;
+  std::vector<T> h(kRows * H), ml(kRows * 2 * L), z(kRows * L), g(kRows * H), logits(kRows * I);
+  auto bias_relu = [](T* v, const T* b, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = v + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const T t = row[j] + b[j];
+        row[j] = t < T(0) ? T(0) : t;  // relu(NaN) = NaN
+      }
+    }
+  };
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t r0 = c * kRows, rows = std::min(a.B, r0 + kRows) - r0;
+    const T* x = a.x + r0 * I;
+    linear_nobias(x, a.w_enc, h.data(), rows, H, I);
+    bias_relu(h.data(), a.b_enc, rows, H);
+    linear_nobias(h.data(), a.w_mulv, ml.data(), rows, 2 * L, H);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* m = ml.data() + r * 2 * L;
+      const T* e = a.eps + (r0 + r) * L;
+      T* zr = z.data() + r * L;
+      acc_t kl_sum = 0;
+      for (int64_t l = 0; l < L; ++l) {
+        const T mu = m[l] + a.b_mulv[l], lv = m[L + l] + a.b_mulv[L + l];
+        zr[l] = mu + std::exp(T(0.5) * lv) * e[l];
+        kl_sum += ((T(1) + lv) - mu * mu) - std::exp(lv);
+      }
+      a.kl[r0 + r] = T(-0.5) * T(kl_sum);
+    }
+    linear_nobias(z.data(), a.w_dec1, g.data(), rows, H, L);
+    bias_relu(g.data(), a.b_dec1, rows, H);
+    linear_nobias(g.data(), a.w_dec2, logits.data(), rows, I, H);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* lr = logits.data() + r * I;
+      for (int64_t i = 0; i < I; ++i) lr[i] += a.b_dec2[i];
+      const T recon = T(bce_row<T, VB>(lr, x + r * I, I));
+      a.recon[r0 + r] = recon;
+      a.elbo[r0 + r] = -(recon + a.kl[r0 + r]);
+    }
+  }
+}
+
+template <typename T>
+void block_range_baseline(const Args<T>& a, int64_t c0, int64_t c1) {
+  block_range<T, 16>(a, c0, c1);
+}
+
+#if FUSED_OPS_HAVE_AVX2_CLONE
+template <typename T>
+FUSED_OPS_TARGET_AVX2 void block_range_avx2(const Args<T>& a, int64_t c0, int64_t c1) {
+  block_range<T, 32>(a, c0, c1);
+}
+#endif
+
+template <typename T>
+void vae_elbo_kernel(const VaeElboCall& c) {
+  if (c.B == 0) return;
+  const int64_t H = c.H, L = c.L;
+  // mu and logvar in one product: their weights stacked as [2L, H].
+  std::vector<T> w_mulv(2 * L * H), b_mulv(2 * L);
+  std::copy_n(c.w_mu.data_ptr<T>(), L * H, w_mulv.begin());
+  std::copy_n(c.w_logvar.data_ptr<T>(), L * H, w_mulv.begin() + L * H);
+  std::copy_n(c.b_mu.data_ptr<T>(), L, b_mulv.begin());
+  std::copy_n(c.b_logvar.data_ptr<T>(), L, b_mulv.begin() + L);
+  const Args<T> a{c.x.data_ptr<T>(),      c.eps.data_ptr<T>(),    c.w_enc.data_ptr<T>(),
+                  c.b_enc.data_ptr<T>(),  w_mulv.data(),          b_mulv.data(),
+                  c.w_dec1.data_ptr<T>(), c.b_dec1.data_ptr<T>(), c.w_dec2.data_ptr<T>(),
+                  c.b_dec2.data_ptr<T>(), c.B,                    c.I,
+                  c.H,                    c.L,                    c.elbo.data_ptr<T>(),
+                  c.recon.data_ptr<T>(),  c.kl.data_ptr<T>()};
+  auto* range = &block_range_baseline<T>;
+#if FUSED_OPS_HAVE_AVX2_CLONE
+  if (cpu::cpu_has_avx2()) range = &block_range_avx2<T>;
+#endif
+  const int64_t blocks = (c.B + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) { range(a, c0, c1); });
+}
+
+VaeElboResult vae_elbo_cpu(const at::Tensor& x, const at::Tensor& eps, const at::Tensor& w_enc,
+                           const at::Tensor& b_enc, const at::Tensor& w_mu, const at::Tensor& b_mu,
+                           const at::Tensor& w_logvar, const at::Tensor& b_logvar,
+                           const at::Tensor& w_dec1, const at::Tensor& b_dec1,
+                           const at::Tensor& w_dec2, const at::Tensor& b_dec2) {
+  VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                b_dec2);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "vae_elbo_cpu", [&] { vae_elbo_kernel<scalar_t>(c); });
+  return c.result();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("vae_elbo", &vae_elbo_cpu); }
+
+}  // namespace fused_ops
