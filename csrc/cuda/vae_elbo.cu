@@ -430,6 +430,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
 constexpr int kTileRows = 64;
 constexpr int kChunk = 32;  // x columns staged per encoder step
 constexpr int kMT = kTileRows / 16;
+static_assert(kTileRows * kChunk % kThreads == 0, "x chunks split evenly over the threads");
 
 struct TiledLayout {
   int Lp, ldx, ldh, ldz, ldm, xs, hs, zs, ms, klrow, wpart, total;
@@ -457,18 +458,29 @@ __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const float
                                            const float* W, int ldw, int N, int K, int n0, int k0,
                                            int k1) {
   const int lane = threadIdx.x % cuda::kWarpSize, g = lane / 4, t = lane % 4;
-  for (int k = k0; k < k1; k += 8) {
-    cuda::SplitTf32 bf[NT][2];
+  // The weights come from L2: the next step's B values are loaded one step
+  // ahead so their latency overlaps this step's tensor-core work.
+  float bnext[NT][2];
+  auto load_b = [&](int k) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int n = n0 + nt * 8 + g;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int kk = k + t + 4 * h;
-        const float v = (n < N && kk < K) ? __ldg(W + size_t(n) * ldw + kk) : 0.0f;
-        bf[nt][h] = cuda::split_tf32(v);
+        bnext[nt][h] = (n < N && kk < K) ? __ldg(W + size_t(n) * ldw + kk) : 0.0f;
       }
     }
+  };
+  load_b(k0);
+  for (int k = k0; k < k1; k += 8) {
+    cuda::SplitTf32 bf[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      bf[nt][0] = cuda::split_tf32(bnext[nt][0]);
+      bf[nt][1] = cuda::split_tf32(bnext[nt][1]);
+    }
+    if (k + 8 < k1) load_b(k + 8);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       const float* a0 = A + (mt * 16 + g) * lda + k + t;
@@ -525,14 +537,27 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
   {
     float acc[kMT][4][4];
     zero_acc(acc);
+    // x chunks go through registers one chunk ahead: the global loads of
+    // chunk c + 1 are in flight while the tensor cores work on chunk c.
+    constexpr int kPer = kTileRows * kChunk / kThreads;
+    float xr[kPer];
+    auto load_x = [&](int kc) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int idx = threadIdx.x + j * kThreads, r = idx / kChunk, c = idx % kChunk;
+        xr[j] = (r < rows && kc + c < I) ? __ldg(a.x + size_t(row0 + r) * I + kc + c) : 0.0f;
+      }
+    };
+    load_x(0);
     for (int kc = 0; kc < I; kc += kChunk) {
       __syncthreads();  // the previous chunk is consumed
-      for (int idx = threadIdx.x; idx < kTileRows * kChunk; idx += kThreads) {
-        const int r = idx / kChunk, c = idx % kChunk;
-        xs[r * lay.ldx + c] =
-            (r < rows && kc + c < I) ? __ldg(a.x + size_t(row0 + r) * I + kc + c) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int idx = threadIdx.x + j * kThreads;
+        xs[(idx / kChunk) * lay.ldx + idx % kChunk] = xr[j];
       }
       __syncthreads();
+      if (kc + kChunk < I) load_x(kc + kChunk);
       if (ncol < H) mma_rows64<4>(acc, xs, lay.ldx, a.w_enc + kc, I, H, I - kc, ncol, 0, kChunk);
     }
     if (ncol < H) {
@@ -639,36 +664,28 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
 #endif
 }
 
-// Launches the tiled path; false when it does not apply.
-bool launch_tiled(const Args<float>& a) {
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major < 8 || a.H % 8 != 0 || a.H > kWarps * 32) return false;
-  const size_t smem = size_t(TiledLayout(a.H, a.L).total) * sizeof(float);
-  if (smem > kMaxClusterSmem || smem > prop->sharedMemPerBlockOptin) return false;
-  {
-    static std::mutex mutex;
-    static std::map<int, size_t> set_for_device;  // largest smem attribute set so far
-    int device = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(mutex);
-    size_t& done = set_for_device[device];
-    if (smem > done) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(vae_elbo_tiled_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      done = smem;
-    }
-  }
-  const int64_t tiles = (int64_t(a.B) + kTileRows - 1) / kTileRows;
-  vae_elbo_tiled_kernel<<<unsigned(tiles), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return true;
-}
-
 // ---------------------------------------------------------------------------
 // host side
 // ---------------------------------------------------------------------------
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Raises kernel's dynamic shared memory limit on the current device to at
+// least smem.  Only ever raises it: a call with a smaller size must not break
+// a later launch that needs the larger one.
+template <typename Kernel>
+void ensure_smem(Kernel kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> done;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& limit = done[{reinterpret_cast<const void*>(kernel), device}];
+  if (smem > limit) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    limit = smem;
+  }
+}
 
 // The cluster size to launch kernel with `smem` bytes on the current device:
 // 16 where the GPU schedules it, else 8, else 0 (cluster path unusable).
@@ -679,10 +696,12 @@ int cluster_size_for(void (*kernel)(const Args<float>), size_t smem) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), smem, device);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  ensure_smem(kernel, smem);
   int chosen = 0;
   for (int size : {16, 8}) {
     if (size > 8 &&
@@ -708,6 +727,7 @@ int cluster_size_for(void (*kernel)(const Args<float>), size_t smem) {
     }
     (void)cudaGetLastError();
   }
+  std::lock_guard<std::mutex> lock(mutex);
   cache.emplace(key, chosen);
   return chosen;
 }
@@ -739,6 +759,19 @@ bool launch_cluster(const Args<float>& a) {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+// Launches the tiled path; false when it does not apply.
+bool launch_tiled(const Args<float>& a) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major < 8 || a.H % 8 != 0 || a.H > kWarps * 32) return false;
+  const size_t smem = size_t(TiledLayout(a.H, a.L).total) * sizeof(float);
+  if (smem > kMaxClusterSmem || smem > prop->sharedMemPerBlockOptin) return false;
+  ensure_smem(vae_elbo_tiled_kernel, smem);
+  const int64_t tiles = (int64_t(a.B) + kTileRows - 1) / kTileRows;
+  vae_elbo_tiled_kernel<<<unsigned(tiles), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
