@@ -154,6 +154,9 @@ __device__ __forceinline__ void warp_linear(const float* in, int K, int count, R
     for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));  // tail: a valid row, result dropped
     if constexpr (VEC) {
       const int K4 = K / 4;
+      // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
+      // instead of two, and a GPC could then hold only one 16-CTA cluster.
+#pragma unroll 1
       for (int k = lane; k < K4; k += cuda::kWarpSize) {
         float4 wv[kNB];
 #pragma unroll
@@ -172,6 +175,7 @@ __device__ __forceinline__ void warp_linear(const float* in, int K, int count, R
         }
       }
     } else {
+#pragma unroll 2
       for (int k = lane; k < K; k += cuda::kWarpSize) {
         float wv[kNB];
 #pragma unroll
