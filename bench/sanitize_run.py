@@ -2,10 +2,11 @@
 
     compute-sanitizer --tool memcheck python bench/sanitize_run.py
 
-Covers, for importance_sampling, the vectorised and scalar fast paths (short and long rows), the general
-path (D > 512, and parameters too large for shared memory) and float64, and
-checks each result against the reference so a silent error also fails;
-for vae_elbo, the cluster, tiled and general paths (VAE_CASES).
+Covers, for importance_sampling, the vectorised and scalar fast paths (short
+and long rows), the general path (D > 512, and parameters too large for shared
+memory) and float64; for vae_elbo, the cluster, tiled and general paths
+(VAE_CASES).  Each result is checked against the reference so a silent error
+also fails.
 """
 
 import sys
