@@ -2,13 +2,13 @@
 
     compute-sanitizer --tool memcheck python bench/sanitize_run.py
 
-Covers the vectorised and scalar fast paths (short and long rows), the general
-path (D > 512, and parameters too large for shared memory) and float64, and
-checks each result against the reference so a silent error also fails.
-
-flow_euler: the cluster path (sm_90, B <= 32), the 3xTF32 tile path (ragged
-last tile, D and H not multiples of 8 or 32), and the general path (float64;
-float32 too large for both), each checked against the reference.
+Covers, for importance_sampling, the vectorised and scalar fast paths (short
+and long rows), the general path (D > 512, and parameters too large for shared
+memory) and float64; for flow_euler, the cluster path (sm_90, B <= 32), the
+3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32) and the
+general path (float64; float32 too large for both); for vae_elbo, the cluster,
+tiled and general paths (VAE_CASES).  Each result is checked against the
+reference so a silent error also fails.
 """
 
 import sys
@@ -64,12 +64,50 @@ def run_flow():
         failures += not ok
         print(f"flow B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
+# vae_elbo: (B, I, H, L, dtype) and the CUDA path it takes on an sm_90 GPU
+# (csrc/cuda/vae_elbo.cu documents the rule).  Small batches where possible:
+# the sanitizer slows kernels down by orders of magnitude.
+VAE_CASES = [
+    (128, 784, 256, 32, torch.float32),  # cluster, float4 weight reads (the default size)
+    (37, 1000, 130, 17, torch.float32),  # cluster, scalar reads, partial row tile
+    (5, 5, 7, 3, torch.float32),  # cluster, slices smaller than the cluster (empty CTAs)
+    (2053, 784, 256, 32, torch.float32),  # tiled tensor-core path, partial last tile
+    (2048, 37, 40, 5, torch.float32),  # tiled, odd I and L
+    (3, 4000, 1500, 40, torch.float32),  # general: activations exceed shared memory
+    (9, 33, 16, 5, torch.float64),  # general: float64
+]
+
+
+def vae_inputs(b, i, h, l_, dtype):
+    opts = dict(device="cuda", dtype=dtype)
+
+    def linear(n_out, n_in):
+        bound = 2.0 / n_in**0.5
+        return (torch.rand(n_out, n_in, **opts) * 2 - 1) * bound, (torch.rand(n_out, **opts) * 2 - 1) * bound
+
+    return [torch.rand(b, i, **opts), torch.randn(b, l_, **opts),
+            *linear(h, i), *linear(l_, h), *linear(l_, h), *linear(h, l_), *linear(i, h)]
+
+
+def run_vae():
+    failures = 0
+    for b, i, h, l_, dtype in VAE_CASES:
+        args = vae_inputs(b, i, h, l_, dtype)
+        got = fused_ops.vae_elbo(*args)
+        ref = reference.VAE(i, h, l_).to(device="cuda", dtype=dtype)
+        with torch.no_grad():
+            for p, v in zip(ref.parameters(), args[2:]):
+                p.copy_(v)
+            want = ref(args[0], args[1])
+        ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
+        failures += not ok
+        print(f"vae_elbo B={b} I={i} H={h} L={l_} {dtype}: {'ok' if ok else 'MISMATCH'}")
     return failures
 
 
 def main():
     torch.manual_seed(0)
-    failures = 0
+    failures = run_vae()
     for n, d, k, dtype in CASES:
         opts = dict(device="cuda", dtype=dtype)
         x = torch.randn(n, d, **opts) * 3

@@ -24,4 +24,8 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "flow_euler(Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor w3, Tensor b3, "
       "int num_steps) -> Tensor");
+  m.def(
+      "vae_elbo(Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, "
+      "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
+      "Tensor b_dec2) -> (Tensor elbo, Tensor recon, Tensor kl)");
 }

@@ -6,6 +6,8 @@ Ops (``torch.ops.fused_ops.*``, also as documented Python functions here):
   Gaussian-mixture target and a diagonal Gaussian proposal.
 - :func:`flow_euler` -- probability-flow ODE sampler: Euler steps of an MLP
   velocity field.
+- :func:`vae_elbo` -- VAE forward pass with reparameterisation, BCE
+  reconstruction and KL (per-sample ELBO).
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
@@ -17,10 +19,10 @@ from ._loader import load_library as _load_library
 _load_library()
 
 from . import nn, reference  # noqa: E402
-from .ops import flow_euler, importance_sampling  # noqa: E402
+from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "nn", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "reference", "info"]
 
 
 def info():

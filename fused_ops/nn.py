@@ -9,11 +9,12 @@ reference modules are recognised by structure (attribute names, shapes),
 never by class.
 """
 
+import torch
 from torch import nn
 
 from . import ops, reference
 
-__all__ = ["ImportanceSampler", "FlowODE", "convert"]
+__all__ = ["ImportanceSampler", "FlowODE", "VAE", "convert"]
 
 
 class ImportanceSampler(reference.ImportanceSampler):
@@ -147,7 +148,103 @@ class FlowODE(reference.FlowODE):
         return fused
 
 
-_FUSED_MODULES = (ImportanceSampler, FlowODE)
+class VAE(reference.VAE):
+    """Fused VAE forward pass (``fused_ops.vae_elbo``).
+
+    Built by the reference's constructor ``(input_dim, hidden_dim,
+    latent_dim)``, so the submodules ``encoder = Sequential(Linear(I, H),
+    ReLU())``, ``fc_mu``, ``fc_logvar``, ``decoder = Sequential(Linear(L, H),
+    ReLU(), Linear(H, I), Sigmoid())``, their parameter names, creation order
+    and, under one seed, values are the reference's.
+
+    ``forward(x [..., I], eps=None) -> (elbo, recon, kl)``, each ``[...]``.
+    Without ``eps`` it draws ``torch.randn_like`` of the latent mean's shape,
+    dtype and device -- the one random call of the reference's forward -- so
+    a seeded run equals a seeded run of the reference.
+    """
+
+    def forward(self, x, eps=None):
+        enc, dec1, dec2 = self.encoder[0], self.decoder[0], self.decoder[2]
+        latent = self.fc_mu.out_features
+        batch_shape = x.shape[:-1]
+        if eps is None:
+            # The reference calls torch.randn_like(mu) with mu [..., L] of x's dtype and device.
+            eps = torch.randn_like(x.new_empty(batch_shape + (latent,)))
+        elbo, recon, kl = ops.vae_elbo(
+            x.reshape(-1, x.shape[-1]),
+            eps.reshape(-1, eps.shape[-1]),
+            enc.weight,
+            enc.bias,
+            self.fc_mu.weight,
+            self.fc_mu.bias,
+            self.fc_logvar.weight,
+            self.fc_logvar.bias,
+            dec1.weight,
+            dec1.bias,
+            dec2.weight,
+            dec2.bias,
+        )
+        return elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape)
+
+    def extra_repr(self):
+        h, i = self.encoder[0].weight.shape
+        return f"input_dim={i}, hidden_dim={h}, latent_dim={self.fc_mu.out_features}"
+
+    _children = ("encoder", "fc_mu", "fc_logvar", "decoder")
+
+    @staticmethod
+    def matches(module):
+        """True if ``module`` is structurally a VAE reference module: exactly
+        the children ``encoder = Sequential(Linear, ReLU)``, ``fc_mu``,
+        ``fc_logvar`` (Linear), ``decoder = Sequential(Linear, ReLU, Linear,
+        Sigmoid)``, all Linear layers with biases and shapes that chain
+        ``I -> H -> L -> H -> I``, and nothing else."""
+        children = dict(module.named_children())
+        if list(children) != list(VAE._children):
+            return False
+        if list(module.named_parameters(recurse=False)) or list(module.named_buffers(recurse=False)):
+            return False
+        enc, mu, lv, dec = (children[n] for n in VAE._children)
+        kinds = lambda seq: [type(m) for m in seq] if isinstance(seq, nn.Sequential) else None  # noqa: E731
+        if kinds(enc) != [nn.Linear, nn.ReLU] or kinds(dec) != [nn.Linear, nn.ReLU, nn.Linear, nn.Sigmoid]:
+            return False
+        if type(mu) is not nn.Linear or type(lv) is not nn.Linear:
+            return False
+        linears = (enc[0], mu, lv, dec[0], dec[2])
+        if any(m.bias is None for m in linears):
+            return False
+        for m in linears:
+            if list(m.named_buffers()) or list(m.children()):
+                return False
+        h, i = enc[0].weight.shape
+        l_ = mu.weight.shape[0]
+        return (
+            tuple(mu.weight.shape) == (l_, h)
+            and tuple(lv.weight.shape) == (l_, h)
+            and tuple(dec[0].weight.shape) == (h, l_)
+            and tuple(dec[2].weight.shape) == (i, h)
+        )
+
+    @classmethod
+    def from_reference(cls, module):
+        """A fused module sharing ``module``'s submodules (and so its
+        parameters: no copies)."""
+        if not cls.matches(module):
+            raise ValueError(
+                f"{type(module).__name__} is not a VAE reference module: expected exactly the "
+                "children encoder = Sequential(Linear(I, H), ReLU()), fc_mu = Linear(H, L), "
+                "fc_logvar = Linear(H, L), decoder = Sequential(Linear(L, H), ReLU(), "
+                "Linear(H, I), Sigmoid()), all with biases"
+            )
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        for name in cls._children:
+            setattr(fused, name, getattr(module, name))
+        fused.train(module.training)
+        return fused
+
+
+_FUSED_MODULES = (ImportanceSampler, FlowODE, VAE)
 
 
 def _fused_for(module):

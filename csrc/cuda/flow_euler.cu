@@ -385,60 +385,16 @@ size_t cluster_smem(const ClusterArgs& a) {
   return sizeof(float) * size_t(ClusterLayout(a.n1, a.n3, a.ldD, a.ldH, a.rows).total);
 }
 
-cudaLaunchConfig_t cluster_config(int num_blocks, size_t smem, cudaLaunchAttribute* attr, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(num_blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(num_blocks);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-// Whether one cluster of `num_blocks` blocks with `smem` bytes each can run
-// on the current device (16 needs the non-portable cluster size).  Cached:
-// the occupancy query costs about as much as a launch.
-bool cluster_fits(int num_blocks, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, size_t>, bool> cache;
-  const int device = cuda::current_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, num_blocks, smem);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  bool ok = smem <= cuda::max_shared_memory_per_block();
-  if (ok) {
-    cuda::allow_dynamic_smem(flow_cluster_kernel, smem);
-    if (num_blocks > 8) {
-      FUSED_OPS_CUDA_CHECK(cudaFuncSetAttribute(flow_cluster_kernel,
-                                          cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    }
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = cluster_config(num_blocks, smem, attr, nullptr);
-    int clusters = 0;
-    const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, flow_cluster_kernel, &cfg);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // an unsupported size is an answer, not an error
-      clusters = 0;
-    }
-    ok = clusters >= 1;
-  }
-  cache.emplace(key, ok);
-  return ok;
-}
-
 // The cluster size to use for this call, or 0 when the cluster path does not apply.
 int cluster_blocks_for(const FlowEulerCall& c) {
   if (c.B > kClusterMaxB || c.x.scalar_type() != ScalarType::Float) return 0;
   if (cuda::compute_capability_major() < 9) return 0;
   if (c.D > (1 << 20) || c.H > (1 << 20)) return 0;
   for (int num_blocks : {16, 8}) {
-    if (cluster_fits(num_blocks, cluster_smem(cluster_args(c, num_blocks)))) return num_blocks;
+    if (cuda::cluster_fits(flow_cluster_kernel, num_blocks, kThreads,
+                           cluster_smem(cluster_args(c, num_blocks)))) {
+      return num_blocks;
+    }
   }
   return 0;
 }
@@ -447,9 +403,9 @@ void launch_cluster(const FlowEulerCall& c, int num_blocks) {
   const ClusterArgs a = cluster_args(c, num_blocks);
   const size_t smem = cluster_smem(a);
   cuda::allow_dynamic_smem(flow_cluster_kernel, smem);  // cached: a no-op after the first call
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = cluster_config(num_blocks, smem, attr, cuda::current_stream(cuda::current_device()));
-  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, flow_cluster_kernel, a));
+  const cuda::ClusterLaunch launch(num_blocks, num_blocks, kThreads, smem,
+                                   cuda::current_stream(cuda::current_device()));
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, flow_cluster_kernel, a));
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 

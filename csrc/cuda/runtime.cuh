@@ -97,5 +97,68 @@ void allow_dynamic_smem(Kernel kernel, size_t smem) {
   have = smem;
 }
 
+// A launch of `grid` blocks in thread-block clusters of `cluster` blocks
+// (sm_90), for cudaLaunchKernelEx / cudaOccupancyMaxActiveClusters.  Not
+// copyable: cfg.attrs points into the object.
+struct ClusterLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+
+  ClusterLaunch(int64_t grid, int cluster, int threads, size_t smem, cudaStream_t stream) {
+    cfg.gridDim = dim3(unsigned(grid));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
+// Whether at least one cluster of `cluster` blocks of `kernel` (with `smem`
+// bytes of dynamic shared memory each) can be resident on the current
+// device.  Clusters above 8 blocks are "non-portable" and need an opt-in;
+// whether 16 fit depends on the GPU's SM partitioning, so ask the occupancy
+// API.  Cached: the query costs about as much as a launch.
+template <typename Kernel>
+bool cluster_fits(Kernel kernel, int cluster, int threads, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, size_t, int>, bool> cache;
+  const int device = current_device();
+  const auto key =
+      std::make_tuple(reinterpret_cast<const void*>(kernel), cluster, threads, smem, device);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  bool ok = smem <= max_shared_memory_per_block();
+  if (ok) {
+    allow_dynamic_smem(kernel, smem);
+    if (cluster > 8 &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ok = false;
+    }
+  }
+  if (ok) {
+    const ClusterLaunch launch(cluster, cluster, threads, smem, nullptr);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // an unsupported size is an answer, not an error
+      clusters = 0;
+    }
+    ok = clusters >= 1;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace(key, ok);
+  return ok;
+}
+
 }  // namespace cuda
 }  // namespace fused_ops

@@ -1,0 +1,260 @@
+// CPU kernel of fused_ops::vae_elbo.
+//
+// The batch is cut into blocks of kRows samples (fixed, never derived from the
+// thread count, so results are bitwise the same for any number of threads) and
+// each block runs the whole forward pass while its activations are
+// cache-resident: four BLAS products (mu and logvar share one, their weights
+// stacked), each followed by a fused epilogue -- bias + ReLU, the
+// reparameterisation and the KL row sums, and sigmoid + clamped BCE + the
+// reconstruction row sums.  Neither the decoder output nor p is ever written
+// out as a tensor.  Inside the parallel loop the BLAS calls run single-threaded
+// on each block.
+//
+// BCE follows PyTorch exactly: p = 1 / (1 + exp(-a)), then
+//   (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100)
+// per element.  In float32 the row sums over I run in SIMD-lane partial sums
+// finished in double; exp/log are the vector polynomials of cpu/vec_math.h
+// (<= 2 ulp), with log1p(-p) from log(1 - p) plus the exact rounding error
+// of 1 - p, so that it keeps full accuracy when p is tiny.  Logits whose exp
+// leaves the polynomial's range (|a| > 87, where p may be denormal) take the
+// scalar libm route, so saturated and denormal probabilities clamp exactly as
+// PyTorch's do.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/matmul.h"
+#include "cpu/vec_math.h"
+#include "vae_elbo.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int64_t kRows = 64;  // samples per block
+
+template <typename T>
+struct Args {
+  const T *x, *eps, *w_enc, *b_enc, *w_mulv, *b_mulv, *w_dec1, *b_dec1, *w_dec2, *b_dec2;
+  int64_t B, I, H, L;
+  T *elbo, *recon, *kl;
+};
+
+// out[r, j] = in[r, :] . w[j, :] for r < rows, j < n (row-major, w is [n, k]),
+// through torch's BLAS on views of the raw buffers (common/matmul.h).
+template <typename T>
+void linear_nobias(const T* in, const T* w, T* out, int64_t rows, int64_t n, int64_t k) {
+  linear_nt(in, k, w, k, out, n, rows, n, k);
+}
+
+template <typename T>
+FUSED_OPS_INLINE T clamp_log(T v) {
+  return v < T(-100) ? T(-100) : v;  // NaN stays NaN, as std::max(NaN, -100) in PyTorch
+}
+
+// One BCE term with libm, PyTorch's formula verbatim.
+template <typename T>
+FUSED_OPS_INLINE T bce_term(T a, T x) {
+  const T p = T(1) / (T(1) + std::exp(-a));
+  return (x - T(1)) * clamp_log(T(std::log1p(-p))) - x * clamp_log(T(std::log(p)));
+}
+
+// Sum over one row of BCE(sigmoid(a[i]), x[i]).
+template <typename T, int VB>
+FUSED_OPS_INLINE double bce_row(const T* a, const T* x, int64_t I) {
+  if constexpr (!std::is_same_v<T, float>) {
+    double s = 0;
+    for (int64_t i = 0; i < I; ++i) s += bce_term(a[i], x[i]);
+    return s;
+  } else {
+    using V = cpu::Lanes<float, VB>;
+    constexpr int NL = cpu::kLanes<float, VB>;
+    V acc0 = {}, acc1 = {};
+    double tail = 0;
+    auto body = [&](const V& av, const V& xv, V& acc) {
+      const V e = cpu::exp(V{} - av);
+      const V p = 1.0f / (1.0f + e);
+      V lp = cpu::log(p);
+      lp = lp < -100.0f ? -100.0f : lp;
+      // log1p(-p) from w = 1 - p rounded: for p >= 0.5, w is exact; for
+      // p < 0.5 the rounding error c = (1 - w) - p is exact (Sterbenz) and
+      // log(1 - p) = log(w + c) = log(w) + c / w, with 1 / w ~ 2 - w (relative
+      // error p^2 <= 1/4 on a correction below 2^-25): full accuracy even
+      // when p is tiny, without a second division.
+      const V w = 1.0f - p;
+      const V c = (1.0f - w) - p;
+      V l1 = cpu::log(w) + c * (2.0f - w);
+      l1 = l1 < -100.0f ? -100.0f : l1;
+      acc += (xv - 1.0f) * l1 - xv * lp;
+    };
+    // The vector exp/log cover |a| <= 87 (p normal); rows with a logit
+    // beyond take libm for the elements beyond (rare: saturated logits).
+    V lo = V{} + 87.0f, hi = V{} - 87.0f;
+    int64_t i = 0;
+    for (; i + NL <= I; i += NL) {
+      const V av = cpu::load_lanes<V>(a + i);
+      lo = av < lo ? av : lo;
+      hi = av > hi ? av : hi;
+    }
+    bool in_range = true;
+    for (int j = 0; j < NL; ++j) in_range &= lo[j] >= -87.0f && hi[j] <= 87.0f;
+    i = 0;
+    if (in_range) {
+      for (; i + 2 * NL <= I; i += 2 * NL) {
+        body(cpu::load_lanes<V>(a + i), cpu::load_lanes<V>(x + i), acc0);
+        body(cpu::load_lanes<V>(a + i + NL), cpu::load_lanes<V>(x + i + NL), acc1);
+      }
+    } else {
+      for (; i + NL <= I; i += NL) {
+        const V av = cpu::load_lanes<V>(a + i);
+        bool big = false;
+        for (int j = 0; j < NL; ++j) big |= !(av[j] >= -87.0f && av[j] <= 87.0f);
+        if (big) {
+          for (int j = 0; j < NL; ++j) tail += bce_term(a[i + j], x[i + j]);
+        } else {
+          body(av, cpu::load_lanes<V>(x + i), acc0);
+        }
+      }
+    }
+    for (; i < I; ++i) tail += bce_term(a[i], x[i]);
+    const V acc = acc0 + acc1;
+    double s = tail;
+    for (int j = 0; j < NL; ++j) s += double(acc[j]);
+    return s;
+  }
+}
+
+// v[i] = exp(v[i]): vector polynomial for float32 (libm outside its range
+// and for the tail), libm for float64.
+template <typename T, int VB>
+FUSED_OPS_INLINE void exp_inplace(T* v, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using V = cpu::Lanes<float, VB>;
+    constexpr int NL = cpu::kLanes<float, VB>;
+    for (; i + NL <= n; i += NL) {
+      const V x = cpu::load_lanes<V>(v + i);
+      bool ok = true;
+      for (int j = 0; j < NL; ++j) ok &= x[j] >= -87.0f && x[j] <= 87.0f;
+      if (ok) {
+        cpu::store_lanes<V>(v + i, cpu::exp(x));
+      } else {
+        for (int j = 0; j < NL; ++j) v[i + j] = std::exp(v[i + j]);
+      }
+    }
+  }
+  for (; i < n; ++i) v[i] = std::exp(v[i]);
+}
+
+template <typename T, int VB>
+FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
+  using acc_t = double;
+  const int64_t I = a.I, H = a.H, L = a.L;
+  std::vector<T> h(kRows * H), ml(kRows * 2 * L), ex(kRows * 2 * L), z(kRows * L), g(kRows * H),
+      logits(kRows * I);
+  auto bias_relu = [](T* v, const T* b, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = v + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const T t = row[j] + b[j];
+        row[j] = t < T(0) ? T(0) : t;  // relu(NaN) = NaN
+      }
+    }
+  };
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t r0 = c * kRows, rows = std::min(a.B, r0 + kRows) - r0;
+    const T* x = a.x + r0 * I;
+    linear_nobias(x, a.w_enc, h.data(), rows, H, I);
+    bias_relu(h.data(), a.b_enc, rows, H);
+    linear_nobias(h.data(), a.w_mulv, ml.data(), rows, 2 * L, H);
+    // exp(0.5 logvar) and exp(logvar) for the whole block in vector loops.
+    for (int64_t r = 0; r < rows; ++r) {
+      T* m = ml.data() + r * 2 * L;
+      for (int64_t l = 0; l < L; ++l) {
+        m[l] += a.b_mulv[l];
+        m[L + l] += a.b_mulv[L + l];
+        ex[2 * (r * L + l)] = T(0.5) * m[L + l];
+        ex[2 * (r * L + l) + 1] = m[L + l];
+      }
+    }
+    exp_inplace<T, VB>(ex.data(), 2 * rows * L);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* m = ml.data() + r * 2 * L;
+      const T* e = a.eps + (r0 + r) * L;
+      const T* exr = ex.data() + 2 * r * L;
+      T* zr = z.data() + r * L;
+      acc_t kl_sum = 0;
+      for (int64_t l = 0; l < L; ++l) {
+        const T mu = m[l], lv = m[L + l];
+        zr[l] = mu + exr[2 * l] * e[l];
+        kl_sum += ((T(1) + lv) - mu * mu) - exr[2 * l + 1];
+      }
+      a.kl[r0 + r] = T(-0.5) * T(kl_sum);
+    }
+    linear_nobias(z.data(), a.w_dec1, g.data(), rows, H, L);
+    bias_relu(g.data(), a.b_dec1, rows, H);
+    linear_nobias(g.data(), a.w_dec2, logits.data(), rows, I, H);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* lr = logits.data() + r * I;
+      for (int64_t i = 0; i < I; ++i) lr[i] += a.b_dec2[i];
+      const T recon = T(bce_row<T, VB>(lr, x + r * I, I));
+      a.recon[r0 + r] = recon;
+      a.elbo[r0 + r] = -(recon + a.kl[r0 + r]);
+    }
+  }
+}
+
+template <typename T>
+void block_range_baseline(const Args<T>& a, int64_t c0, int64_t c1) {
+  block_range<T, 16>(a, c0, c1);
+}
+
+#if FUSED_OPS_HAVE_AVX2_CLONE
+template <typename T>
+FUSED_OPS_TARGET_AVX2 void block_range_avx2(const Args<T>& a, int64_t c0, int64_t c1) {
+  block_range<T, 32>(a, c0, c1);
+}
+#endif
+
+template <typename T>
+void vae_elbo_kernel(const VaeElboCall& c) {
+  if (c.B == 0) return;
+  const int64_t H = c.H, L = c.L;
+  // mu and logvar in one product: their weights stacked as [2L, H].
+  std::vector<T> w_mulv(2 * L * H), b_mulv(2 * L);
+  std::copy_n(c.w_mu.const_data_ptr<T>(), L * H, w_mulv.begin());
+  std::copy_n(c.w_logvar.const_data_ptr<T>(), L * H, w_mulv.begin() + L * H);
+  std::copy_n(c.b_mu.const_data_ptr<T>(), L, b_mulv.begin());
+  std::copy_n(c.b_logvar.const_data_ptr<T>(), L, b_mulv.begin() + L);
+  const Args<T> a{c.x.const_data_ptr<T>(),      c.eps.const_data_ptr<T>(),    c.w_enc.const_data_ptr<T>(),
+                  c.b_enc.const_data_ptr<T>(),  w_mulv.data(),          b_mulv.data(),
+                  c.w_dec1.const_data_ptr<T>(), c.b_dec1.const_data_ptr<T>(), c.w_dec2.const_data_ptr<T>(),
+                  c.b_dec2.const_data_ptr<T>(), c.B,                    c.I,
+                  c.H,                    c.L,                    c.elbo.mutable_data_ptr<T>(),
+                  c.recon.mutable_data_ptr<T>(),  c.kl.mutable_data_ptr<T>()};
+  auto* range = &block_range_baseline<T>;
+#if FUSED_OPS_HAVE_AVX2_CLONE
+  if (cpu::cpu_has_avx2()) range = &block_range_avx2<T>;
+#endif
+  const int64_t blocks = (c.B + kRows - 1) / kRows;
+  torch::stable::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) { range(a, c0, c1); });
+}
+
+VaeElboResult vae_elbo_cpu(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+                           const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
+                           const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
+                           const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2) {
+  VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                b_dec2);
+  dispatch_float(x.scalar_type(), [&](auto zero) { vae_elbo_kernel<decltype(zero)>(c); });
+  return c.result();
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cpu)); }
+
+}  // namespace fused_ops

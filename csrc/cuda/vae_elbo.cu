@@ -1,0 +1,766 @@
+// CUDA kernels of fused_ops::vae_elbo.
+//
+// Paths, chosen at run time from dtype, sizes and the device (vae_elbo_cuda):
+//
+// cluster  float32, compute capability >= 9.0, B < kTiledMinBatch (or the tiled
+//          path does not apply) and a 16-row tile's activations fit in shared
+//          memory (kRows * (I + 2H + 3L) floats plus scratch <= kMaxClusterSmem;
+//          784-256-32 needs ~90 KB).  ONE launch.  Each thread-block cluster
+//          (16 CTAs where the GPU allows the non-portable size, else 8) owns
+//          kRows samples; every stage is split across the cluster's CTAs by
+//          neurons, and the activations each stage needs in full (h, z, the
+//          decoder hidden layer) are exchanged through distributed shared
+//          memory between cluster barriers.  x stays in shared memory for the
+//          BCE, the decoder logits never leave registers.  Weights are read
+//          straight from global memory (each weight once per CTA), as float4
+//          when I, H, L are multiples of 4 and the pointers are 16-byte
+//          aligned, element by element otherwise.  Hit by the default size
+//          (B=128, 784-256-32) and every float32 test size below 2048 rows.
+// tiled    float32, compute capability >= 8.0, B >= kTiledMinBatch (2048),
+//          H % 8 == 0, H <= 256 and the tile's activations fit in shared
+//          memory (large L).  One launch of one CTA per 64 samples running the
+//          whole pass on chip with 3xTF32 tensor-core products (see the
+//          section below).  Hit by B=8192 at 784-256-32 and every float32 test
+//          size with B >= 2048 and H % 8 == 0.
+// general  everything else: float64, pre-sm_80 GPUs, sizes whose activations do
+//          not fit in shared memory.  One block per sample, activations in a
+//          global workspace, warp-per-neuron dot products.  Hit by float64 and
+//          e.g. (B=64, I=4000, H=1500, L=40) in float32.
+//
+// Every reduction has a fixed order (butterfly shuffles, warps in order, CTAs
+// in rank order), no atomics: results are bitwise reproducible.
+//
+// Numerics follow PyTorch: p = 1 / (1 + exp(-a)) with accurate expf (the
+// build uses no fast math) and BCE = (x - 1) * max(log1p(-p), -100)
+// - x * max(log(p), -100), the clamp PyTorch's binary_cross_entropy applies.
+
+#include <cooperative_groups.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include <algorithm>
+#include <climits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
+
+#include "cuda/reductions.cuh"
+#include "cuda/runtime.cuh"
+#include "cuda/tf32x3.cuh"
+#include "vae_elbo.h"
+
+namespace fused_ops {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / cuda::kWarpSize;
+constexpr int kRows = 16;  // samples per cluster tile (the reduction below assumes 16)
+[[maybe_unused]] constexpr int kNB = 4;     // neurons per warp pass (an even number: reduced in pairs)
+constexpr size_t kMaxClusterSmem = 200 * 1024;
+constexpr int64_t kTiledMinBatch = 2048;
+
+template <typename T>
+struct Args {
+  const T *x, *eps, *w_enc, *b_enc, *w_mu, *b_mu, *w_lv, *b_lv, *w_d1, *b_d1, *w_d2, *b_d2;
+  int B, I, H, L;
+  T *elbo, *recon, *kl;
+};
+
+template <typename T>
+__device__ __forceinline__ T clamp_log(T v) {
+  return v < T(-100) ? T(-100) : v;  // NaN stays NaN, like std::max(NaN, -100)
+}
+
+// One BCE term of PyTorch's binary_cross_entropy for the logit a and target x.
+template <typename T>
+__device__ __forceinline__ T bce_term(T a, T x) {
+  const T p = T(1) / (T(1) + exp(-a));
+  return (x - T(1)) * clamp_log(T(log1p(-p))) - x * clamp_log(T(log(p)));
+}
+
+template <typename T>
+__device__ __forceinline__ T relu(T v) {
+  return v < T(0) ? T(0) : v;  // relu(NaN) = NaN
+}
+
+// [begin, end) of part p when n items are cut into `parts` contiguous slices.
+struct Slice {
+  int begin, end;
+};
+[[maybe_unused]] __host__ __device__ __forceinline__ Slice slice_of(int n, int parts, int p) {
+  const int per = (n + parts - 1) / parts;
+  const int b = min(n, p * per);
+  return {b, min(n, b + per)};
+}
+
+// ---------------------------------------------------------------------------
+// cluster path
+// ---------------------------------------------------------------------------
+
+// Sums a[r] and b[r] (r < 16) over the 32 lanes of the warp: afterwards lane l
+// holds the total of (l & 1 ? b : a)[l >> 1].  A reduce-scatter (each step
+// halves the values a lane keeps) costs 2 * (8 + 4 + 2 + 1) + 1 shuffles
+// instead of 2 * 16 * 5 for two full butterflies; the order is fixed.
+// One reduce-scatter step: lanes whose `offset` bit (offset = 2 * HALF) is set
+// keep the upper HALF values, the others the lower HALF, each plus its
+// partner's copy of them.
+template <int HALF>
+__device__ __forceinline__ void reduce_step(float (&a)[kRows], float (&b)[kRows], int lane) {
+  constexpr int offset = 2 * HALF;
+  const bool up = lane & offset;
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float sa = up ? a[i] : a[i + HALF], ka = up ? a[i + HALF] : a[i];
+    const float sb = up ? b[i] : b[i + HALF], kb = up ? b[i + HALF] : b[i];
+    a[i] = ka + __shfl_xor_sync(cuda::kFullMask, sa, offset);
+    b[i] = kb + __shfl_xor_sync(cuda::kFullMask, sb, offset);
+  }
+}
+
+[[maybe_unused]] __device__ __forceinline__ float reduce_pair(float (&a)[kRows], float (&b)[kRows], int lane) {
+  static_assert(kRows == 16, "the reduce-scatter below is written for 16 rows");
+  reduce_step<8>(a, b, lane);  // offset 16
+  reduce_step<4>(a, b, lane);  // offset 8
+  reduce_step<2>(a, b, lane);  // offset 4
+  reduce_step<1>(a, b, lane);  // offset 2
+  // Now a[0] / b[0] hold row (lane >> 1): bits 4..1 of the lane chose the halves.
+  const bool odd = lane & 1;
+  const float send = odd ? a[0] : b[0], keep = odd ? b[0] : a[0];
+  return keep + __shfl_xor_sync(cuda::kFullMask, send, 1);
+}
+
+// out(r, n) = dot(in[r, 0:K], row(n)[0:K]) for the kRows rows of `in` (shared
+// memory, row stride K) and local neurons n < count, handed to epi(r, n, v).
+// Warps take kNB neurons at a time; lanes split K (float4 steps when VEC), so
+// a warp reads each weight row once, coalesced, and applies it to all rows.
+template <bool VEC, typename RowFn, typename Epi>
+__device__ __forceinline__ void warp_linear(const float* in, int K, int count, RowFn row, Epi epi) {
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  for (int g = warp * kNB; g < count; g += kWarps * kNB) {
+    float acc[kNB][kRows];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[j][r] = 0.0f;
+    const float* w[kNB];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));  // tail: a valid row, result dropped
+    if constexpr (VEC) {
+      const int K4 = K / 4;
+      // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
+      // instead of two, and a GPC could then hold only one 16-CTA cluster.
+#pragma unroll 1
+      for (int k = lane; k < K4; k += cuda::kWarpSize) {
+        float4 wv[kNB];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
+#pragma unroll
+          for (int j = 0; j < kNB; ++j) {
+            float s = acc[j][r];
+            s = fmaf(wv[j].x, xv.x, s);
+            s = fmaf(wv[j].y, xv.y, s);
+            s = fmaf(wv[j].z, xv.z, s);
+            acc[j][r] = fmaf(wv[j].w, xv.w, s);
+          }
+        }
+      }
+    } else {
+#pragma unroll 2
+      for (int k = lane; k < K; k += cuda::kWarpSize) {
+        float wv[kNB];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) wv[j] = __ldg(w[j] + k);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const float xv = in[r * K + k];
+#pragma unroll
+          for (int j = 0; j < kNB; ++j) acc[j][r] = fmaf(wv[j], xv, acc[j][r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kNB; j += 2) {
+      const float v = reduce_pair(acc[j], acc[j + 1], lane);
+      const int n = g + j + (lane & 1);
+      if (n < count) epi(lane >> 1, n, v);
+    }
+  }
+}
+
+// Shared-memory layout of the cluster kernel, in floats (each array a
+// multiple of 4 floats so float4 rows stay 16-byte aligned).
+struct ClusterLayout {
+  int xs, hs, zs, gs, mu, lv, klpart, rpart, wpart, total;
+  __host__ __device__ ClusterLayout(int I, int H, int L) {
+    auto up4 = [](int n) { return (n + 3) / 4 * 4; };
+    xs = 0;
+    hs = xs + up4(kRows * I);
+    zs = hs + up4(kRows * H);
+    gs = zs + up4(kRows * L);
+    mu = gs + up4(kRows * H);
+    lv = mu + up4(kRows * L);
+    klpart = lv + up4(kRows * L);
+    rpart = klpart + kRows;
+    wpart = rpart + kRows;
+    total = wpart + kWarps * kRows;
+  }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Copies the other CTAs' slices of buf [kRows, N] (CTA p owns the columns
+// slice_of(N, C, p)) from their shared memory into this CTA's copy.
+__device__ __forceinline__ void gather_slices(cg::cluster_group& cluster, float* buf, int N, int C,
+                                              int rank) {
+  const int per = (N + C - 1) / C;
+  for (int idx = threadIdx.x; idx < kRows * N; idx += kThreads) {
+    const int owner = (idx % N) / per;
+    if (owner != rank) buf[idx] = cluster.map_shared_rank(buf, owner)[idx];
+  }
+}
+#endif
+
+template <bool VEC>
+__global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<float> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) float smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int row0 = int(blockIdx.x / unsigned(C)) * kRows;
+  const int I = a.I, H = a.H, L = a.L;
+  const ClusterLayout lay(I, H, L);
+  float* xs = smem + lay.xs;
+  float* hs = smem + lay.hs;
+  float* zs = smem + lay.zs;
+  float* gs = smem + lay.gs;
+  float* mus = smem + lay.mu;
+  float* lvs = smem + lay.lv;
+  float* klpart = smem + lay.klpart;
+  float* rpart = smem + lay.rpart;
+  float* wpart = smem + lay.wpart;
+  const int rows = min(kRows, a.B - row0);
+
+  // x tile; rows past the batch are zero (their results are never stored).
+  if constexpr (VEC) {
+    const int I4 = I / 4;
+    for (int idx = threadIdx.x; idx < kRows * I4; idx += kThreads) {
+      const int r = idx / I4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < rows) v = __ldg(reinterpret_cast<const float4*>(a.x + size_t(row0) * I) + idx);
+      reinterpret_cast<float4*>(xs)[idx] = v;
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < kRows * I; idx += kThreads) {
+      xs[idx] = idx / I < rows ? __ldg(a.x + size_t(row0) * I + idx) : 0.0f;
+    }
+  }
+  __syncthreads();
+
+  // 1. h = relu(x W_enc^T + b_enc), this CTA's slice of H.
+  const Slice sh = slice_of(H, C, rank);
+  warp_linear<VEC>(
+      xs, I, sh.end - sh.begin, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; },
+      [&](int r, int n, float v) { hs[r * H + sh.begin + n] = relu(v + __ldg(a.b_enc + sh.begin + n)); });
+  cluster.sync();
+  gather_slices(cluster, hs, H, C, rank);
+  __syncthreads();
+
+  // 2. mu and logvar for this CTA's slice of L (mu rows first, then logvar
+  //    rows, as one list of neurons), then z and the KL terms.
+  const Slice sl = slice_of(L, C, rank);
+  const int nl = sl.end - sl.begin;
+  warp_linear<VEC>(
+      hs, H, 2 * nl,
+      [&](int n) {
+        return n < nl ? a.w_mu + size_t(sl.begin + n) * H : a.w_lv + size_t(sl.begin + n - nl) * H;
+      },
+      [&](int r, int n, float v) {
+        if (n < nl) {
+          mus[r * L + sl.begin + n] = v + __ldg(a.b_mu + sl.begin + n);
+        } else {
+          lvs[r * L + sl.begin + n - nl] = v + __ldg(a.b_lv + sl.begin + n - nl);
+        }
+      });
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * nl; idx += kThreads) {
+    const int r = idx / nl, l = sl.begin + idx % nl;
+    const float mu = mus[r * L + l], lv = lvs[r * L + l];
+    const float e = r < rows ? __ldg(a.eps + size_t(row0 + r) * L + l) : 0.0f;
+    zs[r * L + l] = mu + expf(0.5f * lv) * e;
+    mus[r * L + l] = ((1.0f + lv) - mu * mu) - expf(lv);  // KL term, in the reference's order
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    float s = 0.0f;
+    for (int l = sl.begin; l < sl.end; ++l) s += mus[threadIdx.x * L + l];
+    klpart[threadIdx.x] = s;
+  }
+  cluster.sync();
+  gather_slices(cluster, zs, L, C, rank);
+  __syncthreads();
+
+  // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice of H.
+  warp_linear<VEC>(
+      zs, L, sh.end - sh.begin, [&](int n) { return a.w_d1 + size_t(sh.begin + n) * L; },
+      [&](int r, int n, float v) { gs[r * H + sh.begin + n] = relu(v + __ldg(a.b_d1 + sh.begin + n)); });
+  cluster.sync();
+  gather_slices(cluster, gs, H, C, rank);
+  __syncthreads();
+
+  // 4. Decoder logits for this CTA's slice of I, straight into the BCE sums.
+  //    Each lane sums the terms of its row (lane >> 1) in a fixed order.
+  const Slice si = slice_of(I, C, rank);
+  float racc = 0.0f;
+  warp_linear<VEC>(
+      gs, H, si.end - si.begin, [&](int n) { return a.w_d2 + size_t(si.begin + n) * H; },
+      [&](int r, int n, float v) {
+        const int i = si.begin + n;
+        racc += bce_term(v + __ldg(a.b_d2 + i), xs[r * I + i]);
+      });
+  {
+    const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+    const float tot = racc + __shfl_xor_sync(cuda::kFullMask, racc, 1);
+    if ((lane & 1) == 0) wpart[warp * kRows + (lane >> 1)] = tot;
+  }
+  __syncthreads();
+  if (threadIdx.x < kRows) {
+    float s = 0.0f;
+    for (int w = 0; w < kWarps; ++w) s += wpart[w * kRows + threadIdx.x];
+    rpart[threadIdx.x] = s;
+  }
+  cluster.sync();
+
+  // 5. Rank 0 adds the CTAs' partial row sums in rank order.
+  if (rank == 0 && int(threadIdx.x) < rows) {
+    float recon = 0.0f, kl_sum = 0.0f;
+    for (int p = 0; p < C; ++p) {
+      recon += cluster.map_shared_rank(rpart, p)[threadIdx.x];
+      kl_sum += cluster.map_shared_rank(klpart, p)[threadIdx.x];
+    }
+    const float kl = -0.5f * kl_sum;
+    const int row = row0 + threadIdx.x;
+    a.recon[row] = recon;
+    a.kl[row] = kl;
+    a.elbo[row] = -(recon + kl);
+  }
+  cluster.sync();  // keep every CTA's shared memory alive until rank 0 has read it
+#else
+  __trap();  // launched only on compute capability >= 9.0
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// general path
+// ---------------------------------------------------------------------------
+
+// One block per sample; ws row: h [H] | z [L] | kl terms [L] | g [H].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T> a, T* ws) {
+  __shared__ T scratch[kWarps];
+  const int I = a.I, H = a.H, L = a.L;
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  const int64_t row = blockIdx.x;
+  const T* x = a.x + row * I;
+  T* h = ws + row * (2 * int64_t(H) + 2 * L);
+  T* z = h + H;
+  T* terms = z + L;
+  T* g = terms + L;
+  auto dot = [&](const T* in, const T* w, int K) {
+    T s = T(0);
+    for (int k = lane; k < K; k += cuda::kWarpSize) s += in[k] * w[k];
+    return cuda::group_allreduce(s, cuda::kWarpSize);
+  };
+  for (int n = warp; n < H; n += kWarps) {
+    const T v = relu(dot(x, a.w_enc + int64_t(n) * I, I) + a.b_enc[n]);
+    if (lane == 0) h[n] = v;
+  }
+  __syncthreads();
+  for (int l = warp; l < L; l += kWarps) {
+    const T mu = dot(h, a.w_mu + int64_t(l) * H, H) + a.b_mu[l];
+    const T lv = dot(h, a.w_lv + int64_t(l) * H, H) + a.b_lv[l];
+    if (lane == 0) {
+      z[l] = mu + exp(T(0.5) * lv) * a.eps[row * L + l];
+      terms[l] = ((T(1) + lv) - mu * mu) - exp(lv);
+    }
+  }
+  __syncthreads();
+  for (int n = warp; n < H; n += kWarps) {
+    const T v = relu(dot(z, a.w_d1 + int64_t(n) * L, L) + a.b_d1[n]);
+    if (lane == 0) g[n] = v;
+  }
+  __syncthreads();
+  T part = T(0);  // lane 0 of each warp: its neurons' BCE terms, in order
+  for (int i = warp; i < I; i += kWarps) {
+    const T v = dot(g, a.w_d2 + int64_t(i) * H, H) + a.b_d2[i];
+    if (lane == 0) part += bce_term(v, x[i]);
+  }
+  const T recon = cuda::block_allreduce(part, scratch);
+  if (threadIdx.x == 0) {
+    T kl_sum = T(0);
+    for (int l = 0; l < L; ++l) kl_sum += terms[l];
+    const T kl = T(-0.5) * kl_sum;
+    a.recon[row] = recon;
+    a.kl[row] = kl;
+    a.elbo[row] = -(recon + kl);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// tiled path (large batch)
+// ---------------------------------------------------------------------------
+//
+// One CTA per kTileRows = 64 samples runs the whole forward pass on chip:
+// encoder (x streamed through shared memory in kChunk-wide column chunks),
+// mu / logvar, z and KL, decoder hidden layer, then the decoder logits in
+// 256-column chunks whose BCE terms go straight into per-row sums.  Every
+// product is a 3xTF32 tensor-core product (cuda/tf32x3.cuh) with float32
+// accumulation: float32 accuracy at tensor-core speed.  A operands come from
+// shared memory (row strides = 4 mod 32 floats: conflict-free fragment
+// loads), B operands (weights, nn.Linear [N, K] layout) straight from global
+// memory / L2 with zero fill outside [N, K), so I and L may be anything;
+// H % 8 == 0 and H <= 256 (8 warps x 32 columns cover the hidden layer).
+// 8192 samples make 128 CTAs: one wave on an H100/H200, each reading the
+// weights (1.6 MB at 784-256-32) once from L2.
+
+constexpr int kTileRows = 64;
+constexpr int kChunk = 32;  // x columns staged per encoder step
+constexpr int kMT = kTileRows / 16;
+static_assert(kTileRows * kChunk % kThreads == 0, "x chunks split evenly over the threads");
+
+struct TiledLayout {
+  int Lp, ldx, ldh, ldz, ldm, xs, hs, zs, ms, klrow, wpart, total;
+  __host__ __device__ TiledLayout(int H, int L) {
+    Lp = (L + 7) / 8 * 8;
+    ldx = kChunk + 4;
+    ldh = H + 4;
+    ldz = Lp + 4;
+    ldm = 2 * Lp + 4;
+    xs = 0;
+    hs = xs + kTileRows * ldx;
+    zs = hs + kTileRows * ldh;
+    ms = zs + kTileRows * ldz;
+    klrow = ms + kTileRows * ldm;
+    wpart = klrow + kTileRows;
+    total = wpart + kWarps * kTileRows;
+  }
+};
+
+// acc[mt][nt] += A[rows mt*16.., k0..k1) * W[n0 + nt*8.., k0..k1)^T for the 64
+// rows of A (shared, row stride lda, zero beyond the valid columns) and the
+// weight rows n < N, columns k < K (row stride ldw; zero fill outside).
+template <int NT>
+__device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const float* A, int lda,
+                                           const float* W, int ldw, int N, int K, int n0, int k0,
+                                           int k1) {
+  const int lane = threadIdx.x % cuda::kWarpSize, g = lane / 4, t = lane % 4;
+  // The weights come from L2: the next step's B values are loaded one step
+  // ahead so their latency overlaps this step's tensor-core work.
+  float bnext[NT][2];
+  auto load_b = [&](int k) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = n0 + nt * 8 + g;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int kk = k + t + 4 * h;
+        bnext[nt][h] = (n < N && kk < K) ? __ldg(W + size_t(n) * ldw + kk) : 0.0f;
+      }
+    }
+  };
+  load_b(k0);
+  for (int k = k0; k < k1; k += 8) {
+    cuda::SplitTf32 bf[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      bf[nt][0] = cuda::split_tf32(bnext[nt][0]);
+      bf[nt][1] = cuda::split_tf32(bnext[nt][1]);
+    }
+    if (k + 8 < k1) load_b(k + 8);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      const float* a0 = A + (mt * 16 + g) * lda + k + t;
+      const float* a1 = a0 + 8 * lda;
+      const cuda::SplitTf32 af[4] = {cuda::split_tf32(a0[0]), cuda::split_tf32(a1[0]),
+                                     cuda::split_tf32(a0[4]), cuda::split_tf32(a1[4])};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) cuda::mma_3xtf32_m16n8k8(acc[mt][nt], af, bf[nt]);
+    }
+  }
+}
+
+// Calls f(row, col, value) for each accumulator element (fragment C layout).
+template <int NT, typename F>
+__device__ __forceinline__ void for_each_acc(const float (&acc)[kMT][NT][4], int n0, F f) {
+  const int lane = threadIdx.x % cuda::kWarpSize, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f(mt * 16 + g + (i >= 2 ? 8 : 0), n0 + nt * 8 + 2 * t + (i & 1), acc[mt][nt][i]);
+      }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[kMT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+}
+
+__global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<float> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(16) float smem[];
+  const int I = a.I, H = a.H, L = a.L;
+  const TiledLayout lay(H, L);
+  float* xs = smem + lay.xs;
+  float* hs = smem + lay.hs;  // h, later the decoder hidden layer g
+  float* zs = smem + lay.zs;
+  float* ms = smem + lay.ms;  // mu [.., 0:L) and logvar [.., Lp:Lp+L)
+  float* klrow = smem + lay.klrow;
+  float* wpart = smem + lay.wpart;
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  const int row0 = blockIdx.x * kTileRows;
+  const int rows = min(kTileRows, a.B - row0);
+  const int ncol = warp * 32;  // this warp's 32 hidden columns
+
+  // 1. Encoder.
+  {
+    float acc[kMT][4][4];
+    zero_acc(acc);
+    // x chunks go through registers one chunk ahead: the global loads of
+    // chunk c + 1 are in flight while the tensor cores work on chunk c.
+    constexpr int kPer = kTileRows * kChunk / kThreads;
+    float xr[kPer];
+    auto load_x = [&](int kc) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int idx = threadIdx.x + j * kThreads, r = idx / kChunk, c = idx % kChunk;
+        xr[j] = (r < rows && kc + c < I) ? __ldg(a.x + size_t(row0 + r) * I + kc + c) : 0.0f;
+      }
+    };
+    load_x(0);
+    for (int kc = 0; kc < I; kc += kChunk) {
+      __syncthreads();  // the previous chunk is consumed
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int idx = threadIdx.x + j * kThreads;
+        xs[(idx / kChunk) * lay.ldx + idx % kChunk] = xr[j];
+      }
+      __syncthreads();
+      if (kc + kChunk < I) load_x(kc + kChunk);
+      if (ncol < H) mma_rows64<4>(acc, xs, lay.ldx, a.w_enc + kc, I, H, I - kc, ncol, 0, kChunk);
+    }
+    if (ncol < H) {
+      for_each_acc(acc, ncol, [&](int r, int n, float v) {
+        if (n < H) hs[r * lay.ldh + n] = relu(v + __ldg(a.b_enc + n));
+      });
+    }
+  }
+  // Zero the padding columns of z (read as A operand up to Lp).
+  for (int idx = threadIdx.x; idx < kTileRows * (lay.Lp - L); idx += kThreads) {
+    zs[(idx / (lay.Lp - L)) * lay.ldz + L + idx % (lay.Lp - L)] = 0.0f;
+  }
+  __syncthreads();
+
+  // 2. mu and logvar: units of 8 latent columns, mu units then logvar units.
+  {
+    const int nt_l = lay.Lp / 8;
+    for (int u = warp; u < 2 * nt_l; u += kWarps) {
+      const bool is_lv = u >= nt_l;
+      const int n0 = (is_lv ? u - nt_l : u) * 8;
+      float acc[kMT][1][4];
+      zero_acc(acc);
+      mma_rows64<1>(acc, hs, lay.ldh, is_lv ? a.w_lv : a.w_mu, H, L, H, n0, 0, H);
+      const float* bias = is_lv ? a.b_lv : a.b_mu;
+      for_each_acc(acc, n0, [&](int r, int n, float v) {
+        if (n < L) ms[r * lay.ldm + (is_lv ? lay.Lp : 0) + n] = v + __ldg(bias + n);
+      });
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kTileRows * L; idx += kThreads) {
+    const int r = idx / L, l = idx % L;
+    const float mu = ms[r * lay.ldm + l], lv = ms[r * lay.ldm + lay.Lp + l];
+    const float e = r < rows ? __ldg(a.eps + size_t(row0 + r) * L + l) : 0.0f;
+    zs[r * lay.ldz + l] = mu + expf(0.5f * lv) * e;
+    ms[r * lay.ldm + l] = ((1.0f + lv) - mu * mu) - expf(lv);  // KL term
+  }
+  __syncthreads();
+  if (threadIdx.x < kTileRows) {
+    float s = 0.0f;
+    for (int l = 0; l < L; ++l) s += ms[threadIdx.x * lay.ldm + l];
+    klrow[threadIdx.x] = s;
+  }
+
+  // 3. Decoder hidden layer into hs (h is no longer needed: the barrier
+  //    above follows the last read of h).
+  {
+    float acc[kMT][4][4];
+    zero_acc(acc);
+    if (ncol < H) {
+      mma_rows64<4>(acc, zs, lay.ldz, a.w_d1, L, H, L, ncol, 0, lay.Lp);
+      for_each_acc(acc, ncol, [&](int r, int n, float v) {
+        if (n < H) hs[r * lay.ldh + n] = relu(v + __ldg(a.b_d1 + n));
+      });
+    }
+  }
+  __syncthreads();
+
+  // 4. Decoder logits, 256 columns per pass (32 per warp), into BCE row sums.
+  //    Lane (g, t) holds rows g + 8 j (j < 8); its sums run in a fixed order.
+  float rsum[2 * kMT];
+#pragma unroll
+  for (int j = 0; j < 2 * kMT; ++j) rsum[j] = 0.0f;
+  for (int nb = 0; nb < I; nb += kWarps * 32) {
+    const int n0 = nb + ncol;
+    if (n0 >= I) continue;  // warp-uniform
+    float acc[kMT][4][4];
+    zero_acc(acc);
+    mma_rows64<4>(acc, hs, lay.ldh, a.w_d2, H, I, H, n0, 0, H);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
+          const int n = n0 + nt * 8 + 2 * (lane % 4) + (i & 1);
+          if (n < I && r < rows) {
+            rsum[2 * mt + (i >= 2)] +=
+                bce_term(acc[mt][nt][i] + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * I + n));
+          }
+        }
+  }
+  // The four lanes of a row group (same lane / 4) hold disjoint columns.
+#pragma unroll
+  for (int j = 0; j < 2 * kMT; ++j) {
+    float v = rsum[j];
+    v += __shfl_xor_sync(cuda::kFullMask, v, 1);
+    v += __shfl_xor_sync(cuda::kFullMask, v, 2);
+    if (lane % 4 == 0) wpart[warp * kTileRows + (j / 2) * 16 + (j % 2) * 8 + lane / 4] = v;
+  }
+  __syncthreads();
+  if (int(threadIdx.x) < rows) {
+    float recon = 0.0f;
+    for (int w = 0; w < kWarps; ++w) recon += wpart[w * kTileRows + threadIdx.x];
+    const float kl = -0.5f * klrow[threadIdx.x];
+    const int row = row0 + threadIdx.x;
+    a.recon[row] = recon;
+    a.kl[row] = kl;
+    a.elbo[row] = -(recon + kl);
+  }
+#else
+  __trap();  // launched only on compute capability >= 8.0
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// host side
+// ---------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The cluster size for `kernel` with `smem` bytes per block on the current
+// device: 16 where the GPU schedules it, else 8, else 0 (path unusable).
+int cluster_size_for(void (*kernel)(const Args<float>), size_t smem) {
+  for (int size : {16, 8}) {
+    if (cuda::cluster_fits(kernel, size, kThreads, smem)) return size;
+  }
+  return 0;
+}
+
+// Launches the cluster path; false when it does not apply.
+bool launch_cluster(const Args<float>& a) {
+  if (cuda::compute_capability_major() < 9) return false;
+  const size_t smem = size_t(ClusterLayout(a.I, a.H, a.L).total) * sizeof(float);
+  if (smem > kMaxClusterSmem || smem > cuda::max_shared_memory_per_block()) return false;
+  const bool vec = a.I % 4 == 0 && a.H % 4 == 0 && a.L % 4 == 0 && aligned16(a.x) &&
+                   aligned16(a.w_enc) && aligned16(a.w_mu) && aligned16(a.w_lv) &&
+                   aligned16(a.w_d1) && aligned16(a.w_d2);
+  void (*kernel)(const Args<float>) =
+      vec ? vae_elbo_cluster_kernel<true> : vae_elbo_cluster_kernel<false>;
+  const int C = cluster_size_for(kernel, smem);
+  if (C == 0) return false;
+  const int64_t tiles = (int64_t(a.B) + kRows - 1) / kRows;
+  const cuda::ClusterLaunch launch(tiles * C, C, kThreads, smem,
+                                   cuda::current_stream(cuda::current_device()));
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, a));
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
+// Launches the tiled path; false when it does not apply.
+bool launch_tiled(const Args<float>& a) {
+  if (cuda::compute_capability_major() < 8 || a.H % 8 != 0 || a.H > kWarps * 32) return false;
+  const size_t smem = size_t(TiledLayout(a.H, a.L).total) * sizeof(float);
+  if (smem > kMaxClusterSmem || smem > cuda::max_shared_memory_per_block()) return false;
+  cuda::allow_dynamic_smem(vae_elbo_tiled_kernel, smem);
+  const int64_t tiles = (int64_t(a.B) + kTileRows - 1) / kTileRows;
+  vae_elbo_tiled_kernel<<<unsigned(tiles), kThreads, smem,
+                          cuda::current_stream(cuda::current_device())>>>(a);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  return true;
+}
+
+template <typename T>
+void launch_general(const Args<T>& a, const Tensor& like) {
+  Tensor ws = empty_like_device(like, {int64_t(a.B) * (2 * int64_t(a.H) + 2 * a.L)});
+  vae_elbo_general_kernel<T><<<unsigned(a.B), kThreads, 0,
+                               cuda::current_stream(cuda::current_device())>>>(
+      a, ws.mutable_data_ptr<T>());
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+}
+
+
+template <typename T>
+void vae_elbo_launch(const VaeElboCall& c) {
+  const Args<T> a{c.x.const_data_ptr<T>(),      c.eps.const_data_ptr<T>(),      c.w_enc.const_data_ptr<T>(),
+                  c.b_enc.const_data_ptr<T>(),  c.w_mu.const_data_ptr<T>(),     c.b_mu.const_data_ptr<T>(),
+                  c.w_logvar.const_data_ptr<T>(), c.b_logvar.const_data_ptr<T>(), c.w_dec1.const_data_ptr<T>(),
+                  c.b_dec1.const_data_ptr<T>(), c.w_dec2.const_data_ptr<T>(),   c.b_dec2.const_data_ptr<T>(),
+                  int(c.B),               int(c.I),                 int(c.H),
+                  int(c.L),               c.elbo.mutable_data_ptr<T>(),     c.recon.mutable_data_ptr<T>(),
+                  c.kl.mutable_data_ptr<T>()};
+  if constexpr (std::is_same_v<T, float>) {
+    if (c.B >= kTiledMinBatch && launch_tiled(a)) return;
+    if (launch_cluster(a)) return;
+  }
+  launch_general<T>(a, c.x);
+}
+
+VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+                            const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
+                            const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
+                            const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2) {
+  // x may be the CPU tensor of a CPU/CUDA mix: the checks in VaeElboCall then
+  // name the first CUDA tensor, so only guard a CUDA device here.
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  if (x.is_cuda()) guard.emplace(x.get_device_index());
+  VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                b_dec2);
+  FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
+  FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
+                  "vae_elbo: sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",
+                  "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
+                  ", L=", c.L);
+  if (c.B == 0) return c.result();
+  dispatch_float(x.scalar_type(), [&](auto zero) { vae_elbo_launch<decltype(zero)>(c); });
+  return c.result();
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cuda)); }
+
+}  // namespace fused_ops
