@@ -64,6 +64,9 @@ def run_flow():
         failures += not ok
         print(f"flow B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
+    return failures
+
+
 # vae_elbo: (B, I, H, L, dtype) and the CUDA path it takes on an sm_90 GPU
 # (csrc/cuda/vae_elbo.cu documents the rule).  Small batches where possible:
 # the sanitizer slows kernels down by orders of magnitude.
