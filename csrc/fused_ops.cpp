@@ -24,4 +24,9 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "flow_euler(Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor w3, Tensor b3, "
       "int num_steps) -> Tensor");
+  // The discrete adjoint of flow_euler (its backward; csrc/flow_euler_backward.h).
+  m.def(
+      "flow_euler_backward(Tensor grad_x, Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, "
+      "Tensor w3, Tensor b3, int num_steps) -> (Tensor grad_x0, Tensor grad_w1, Tensor grad_b1, "
+      "Tensor grad_w2, Tensor grad_b2, Tensor grad_w3, Tensor grad_b3)");
 }
