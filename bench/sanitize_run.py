@@ -67,6 +67,38 @@ def run_flow():
     return failures
 
 
+FLOW_BACKWARD_CASES = [
+    # (B, D, H, num_steps, dtype)    what it exercises
+    (8, 64, 256, 4, torch.float32),  # default size, one column-sum chunk
+    (300, 5, 37, 3, torch.float32),  # two chunks (the last ragged), ragged column tiles
+    (4096, 64, 256, 2, torch.float32),  # 16 chunks
+    (1, 1, 3, 1, torch.float32),  # smallest, a single step (no trajectory)
+    (37, 6, 33, 3, torch.float64),  # float64
+    (0, 4, 9, 2, torch.float32),  # empty batch: zero weight gradients
+]
+
+
+def run_flow_backward():
+    torch.manual_seed(0)
+    failures = 0
+    for b, d, h, steps, dtype in FLOW_BACKWARD_CASES:
+        opts = dict(device="cuda", dtype=dtype)
+        x0 = torch.randn(b, d, **opts)
+        w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
+        w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
+        w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
+        b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
+        args = [t.requires_grad_() for t in (x0, w1, b1, w2, b2, w3, b3)]
+        upstream = torch.randn(b, d, **opts)
+        got = torch.autograd.grad(fused_ops.flow_euler(*args, steps), args, upstream)
+        want = torch.autograd.grad(reference.flow_euler(*args, steps), args, upstream)
+        ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
+        failures += not ok
+        print(f"flow backward B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
+    torch.cuda.synchronize()
+    return failures
+
+
 def main():
     torch.manual_seed(0)
     failures = 0
@@ -85,6 +117,7 @@ def main():
         print(f"N={n} D={d} K={k} {dtype}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
     failures += run_flow()
+    failures += run_flow_backward()
     return 1 if failures else 0
 
 
