@@ -185,11 +185,12 @@ def flow_euler_backward(
         g_a1 = (g_a2 @ w2) * silu'(a1); gw1 += g_a1^T [x_k, t_k];  gb1 += sum_rows g_a1
         g = g + g_a1 @ w1[:, :D]     # dL/dx_k; grad_x0 = g after step 0
 
-    Memory: ``(num_steps - 1) * B * D`` elements for the trajectory, plus a
-    workspace of ``6 * B * H + 4 * B * D`` elements and one weight-sized
-    scratch (``2*H*D + H*H``), independent of ``num_steps`` (no
-    ``num_steps * B * H`` activations are kept).  At the default size
-    (B=8, D=64, H=256, 32 steps, float32) that is about 0.4 MB.
+    Memory (elements of the dtype, besides the outputs): ``(num_steps - 1) * B * D``
+    for the trajectory, plus ``6 * B * H + 4 * B * D`` of activation/gradient
+    buffers and a weight-sized scratch (``2*H*D + H*H``), which do not grow
+    with ``num_steps`` (no ``num_steps * B * H`` activations are kept).  In
+    float32: about 0.5 MB at the default size (B=8, D=64, H=256, 32 steps),
+    62 MB at B=4096.
 
     Products run as BLAS (CPU) or cuBLAS (CUDA, torch's current stream) calls
     over all rows, with fused epilogue kernels (bias/SiLU/SiLU', Euler update,
