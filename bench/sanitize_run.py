@@ -69,11 +69,12 @@ def run_flow():
 
 FLOW_BACKWARD_CASES = [
     # (B, D, H, num_steps, dtype)    what it exercises
-    (8, 64, 256, 4, torch.float32),  # default size, one column-sum chunk
-    (300, 5, 37, 3, torch.float32),  # two chunks (the last ragged), ragged column tiles
-    (4096, 64, 256, 2, torch.float32),  # 16 chunks
-    (1, 1, 3, 1, torch.float32),  # smallest, a single step (no trajectory)
-    (37, 6, 33, 3, torch.float64),  # float64
+    (8, 64, 256, 4, torch.float32),  # resident mode, one column-sum chunk
+    (300, 5, 37, 3, torch.float32),  # streaming, two chunks (the last ragged), ragged column tiles
+    (4096, 64, 256, 2, torch.float32),  # streaming, 16 chunks
+    (1, 1, 3, 1, torch.float32),  # resident, smallest, a single step
+    (37, 6, 33, 3, torch.float64),  # resident, float64
+    (70, 6, 33, 8, torch.float64),  # streaming, float64
     (0, 4, 9, 2, torch.float32),  # empty batch: zero weight gradients
 ]
 

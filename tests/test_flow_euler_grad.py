@@ -3,10 +3,16 @@ wired as flow_euler's autograd formula): gradcheck, float32 gradients against
 the reference's autograd, opcheck, double-backward error, and a compiled
 training step of fused_ops.nn.FlowODE against the reference module's step.
 
-The CUDA backward has one code path (cuBLAS products + epilogue kernels); the
-sizes below reach its variants: one column-sum chunk (B <= 256) and several
-(B = 300, 4096: ragged last chunk, 16 chunks), column tiles not multiples of
-32 (D, H = 1, 3, 5, 20, 37, 100, 130), float32 and float64, and B = 0.
+The backward has two modes on both devices (csrc/flow_euler_backward.h):
+"resident" (num_steps * B <= 512 and the activations of all steps fit 4 Mi
+elements: kept from the trajectory pass, weight gradients as one product over
+all steps) and "streaming" (per-step recompute and weight-gradient products).
+The sizes below reach both, and on CUDA one column-sum chunk (B <= 256) and
+several (B = 300, 4096: ragged last chunk, 16 chunks), column tiles not
+multiples of 32 (D, H = 1, 3, 5, 20, 37, 100, 130), float32 and float64, and
+B = 0.  Resident: (8, 64, 256, 32), (1, 1, 3, 1), (33, 5, 20, 7), (64, 3, 11, 8),
+gradcheck sizes; streaming: (129, 100, 130, 7), (300, 3, 37, 5), (4096, 64,
+256, 3), (65, 3, 11, 8), (8, 4, 2100, 30).
 """
 
 import pytest
@@ -75,6 +81,21 @@ def test_float64_matches_reference_autograd(device):
     args = make_args(37, 6, 30, dtype=torch.float64, device=device)
     c = torch.randn(37, 6, dtype=torch.float64, device=device)
     for name, a, b in zip(NAMES, grads(FWD, args, 9, c), grads(reference.flow_euler, args, 9, c)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "B,D,H,steps",
+    [
+        case(64, 3, 11, 8),  # 512 stacked rows: resident, the largest
+        case(65, 3, 11, 8),  # 520 rows: streaming
+        case(8, 4, 2100, 30),  # 240 rows but 6 n B H > 4 Mi elements: streaming
+    ],
+)
+def test_resident_and_streaming_modes_float64(B, D, H, steps, device):
+    args = make_args(B, D, H, dtype=torch.float64, device=device)
+    c = torch.randn(B, D, dtype=torch.float64, device=device)
+    for name, a, b in zip(NAMES, grads(FWD, args, steps, c), grads(reference.flow_euler, args, steps, c)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"grad {n}: {m}")
 
 

@@ -145,6 +145,8 @@ struct CpuOps {
     std::fill(a.gb3, a.gb3 + D, T(0));
   }
 
+  void copy(T* dst, const T* src, int64_t n) const { std::copy(src, src + n, dst); }
+
   void act(const T* A, T* Hout, T* S, const T* bias, const T* w_time, int64_t ld_w, T t,
            bool want_s) const {
     for (int64_t j = 0; j < H; ++j) c[j] = w_time ? bias[j] + t * w_time[j * ld_w] : bias[j];
@@ -215,6 +217,27 @@ struct CpuOps {
       a.gb2[j] += a.P2[j];
     }
     for (int64_t d = 0; d < D; ++d) a.gb3[d] += a.P3[d];
+  }
+
+  void finalize_biases(const FlowBackwardArgs<T>& a) const {
+    const int64_t n = a.num_steps;  // (P = 1 on CPU)
+    for (int64_t j = 0; j < H; ++j) {
+      T s1 = 0, st1 = 0, s2 = 0;
+      for (int64_t k = 0; k < n; ++k) {
+        const T p1 = a.P1[k * H + j];
+        s1 += p1;
+        st1 += flow_step_time<T>(k, n) * p1;
+        s2 += a.P2[k * H + j];
+      }
+      a.gb1[j] = s1;
+      a.gw1[j * (D + 1) + D] = st1;
+      a.gb2[j] = s2;
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      T s3 = 0;
+      for (int64_t k = 0; k < n; ++k) s3 += a.P3[k * D + d];
+      a.gb3[d] = s3;
+    }
   }
 
   void finish(const FlowBackwardArgs<T>& a) const {

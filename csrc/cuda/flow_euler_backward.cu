@@ -191,6 +191,45 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateArgs<T> 
   }
 }
 
+// Resident mode: the bias gradients (and w1's time column) from the per-step
+// partials [n, P, N], summed over steps, then chunks, in a fixed order.  One
+// thread per output over [gb1 (H) | gw1[:, D] (H) | gb2 (H) | gb3 (D)].
+template <typename T>
+__global__ void __launch_bounds__(kThreads) finalize_biases_kernel(AccumulateArgs<T> a,
+                                                                  int64_t num_steps) {
+  const int64_t D = a.D, H = a.H, P = a.P;
+  const int64_t total = 3 * H + D;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const T* part = a.P1;
+    int64_t N = H, j = i;
+    bool time_column = false;
+    if (i < H) {
+    } else if (i < 2 * H) {
+      j = i - H, time_column = true;
+    } else if (i < 3 * H) {
+      part = a.P2, j = i - 2 * H;
+    } else {
+      part = a.P3, j = i - 3 * H, N = D;
+    }
+    T s = 0;
+    for (int64_t k = 0; k < num_steps; ++k) {
+      T sk = sum_partials(part + k * P * N, P, N, j);
+      if (time_column) sk *= T((double(k) + 0.5) / double(num_steps));  // t_k as the host rounds it
+      s += sk;
+    }
+    if (i < H) {
+      a.gb1[j] = s;
+    } else if (i < 2 * H) {
+      a.gw1[j * (D + 1) + D] = s;
+    } else if (i < 3 * H) {
+      a.gb2[j] = s;
+    } else {
+      a.gb3[j] = s;
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     add_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int64_t n) {
@@ -212,6 +251,11 @@ struct CudaOps {
     FUSED_OPS_CUDA_CHECK(cudaMemsetAsync(a.gb2, 0, sizeof(T) * H, stream));
     FUSED_OPS_CUDA_CHECK(cudaMemsetAsync(a.gw3, 0, sizeof(T) * D * H, stream));
     FUSED_OPS_CUDA_CHECK(cudaMemsetAsync(a.gb3, 0, sizeof(T) * D, stream));
+  }
+
+  void copy(T* dst, const T* src, int64_t n) const {
+    FUSED_OPS_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, sizeof(T) * n, cudaMemcpyDeviceToDevice, stream));
   }
 
   void act(const T* A, T* Hout, T* S, const T* bias, const T* w_time, int64_t ld_w, T t,
@@ -247,6 +291,13 @@ struct CudaOps {
                         a.GW3s, a.P1, a.P2, a.P3, D, H, P, t};
     const int64_t total = D * H + H * H + H * (D + 1) + H + D + H;
     accumulate_kernel<T><<<grid_for(total), kThreads, 0, stream>>>(k);
+    FUSED_OPS_CUDA_LAUNCH_CHECK();
+  }
+
+  void finalize_biases(const FlowBackwardArgs<T>& a) const {
+    AccumulateArgs<T> k{a.gw1, a.gb1, a.gw2, a.gb2, a.gw3, a.gb3, nullptr, nullptr,
+                        nullptr, a.P1, a.P2, a.P3, D, H, P, T(0)};
+    finalize_biases_kernel<T><<<grid_for(3 * H + D), kThreads, 0, stream>>>(k, a.num_steps);
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 
