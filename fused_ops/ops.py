@@ -139,9 +139,10 @@ def flow_euler(
     the reference module's ``dt`` buffer in float32.
 
     Differentiable with respect to every tensor input through the fused
-    :func:`flow_euler_backward` op, which recomputes the trajectory
-    (``(num_steps-1) * B * D`` elements) and runs the steps in reverse with
-    ``O(B * H)`` workspace.  Double backward is not supported (a clear error).
+    :func:`flow_euler_backward` op, which recomputes the trajectory from
+    ``x0`` and runs the steps in reverse (memory: ``O(num_steps * B * D)``
+    plus ``O(B * H)``, or ``O(num_steps * B * H)`` for small problems; see
+    there).  Double backward is not supported (a clear error).
     """
     return torch.ops.fused_ops.flow_euler.default(x0, w1, b1, w2, b2, w3, b3, num_steps)
 
@@ -176,21 +177,27 @@ def flow_euler_backward(
     returns ``(grad_x0, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3)``,
     each contiguous with its input's shape.
 
-    The trajectory ``x_1 .. x_{num_steps-1}`` is recomputed from ``x0``, then
-    the steps run in reverse; each step recomputes its layer activations from
-    its state ``x_k`` and back-propagates (``t_k = (k+0.5)/num_steps``)::
+    The trajectory ``x_0 .. x_{num_steps-1}`` is recomputed from ``x0``, then
+    the steps run in reverse (``t_k = (k+0.5)/num_steps``, ``h1, h2`` and
+    ``silu'(a1), silu'(a2)`` the hidden layers of step ``k`` at state ``x_k``)::
 
         g_v = dt * g;                gw3 += g_v^T h2;  gb3 += sum_rows g_v
         g_a2 = (g_v @ w3) * silu'(a2);  gw2 += g_a2^T h1;  gb2 += sum_rows g_a2
         g_a1 = (g_a2 @ w2) * silu'(a1); gw1 += g_a1^T [x_k, t_k];  gb1 += sum_rows g_a1
         g = g + g_a1 @ w1[:, :D]     # dL/dx_k; grad_x0 = g after step 0
 
-    Memory (elements of the dtype, besides the outputs): ``(num_steps - 1) * B * D``
-    for the trajectory, plus ``6 * B * H + 4 * B * D`` of activation/gradient
-    buffers and a weight-sized scratch (``2*H*D + H*H``), which do not grow
-    with ``num_steps`` (no ``num_steps * B * H`` activations are kept).  In
-    float32: about 0.5 MB at the default size (B=8, D=64, H=256, 32 steps),
-    62 MB at B=4096.
+    Two modes, picked from the sizes (memory in elements of the dtype, besides
+    the outputs; n = num_steps):
+
+    - resident (``n*B <= 512`` and ``6*n*B*H <= 4 Mi``, e.g. the default B=8,
+      D=64, H=256, 32 steps): the trajectory pass keeps every step's hidden
+      layers, nothing is recomputed, and each weight gradient is one product
+      over all ``n*B`` rows.  Memory ``6*n*B*H + 2*n*B*D + 3*B*D`` (about
+      1.7 MB in float32 at the default size).
+    - streaming (otherwise): only the trajectory is kept and each reverse step
+      recomputes its hidden layers from ``x_k``.  Memory ``(n-1)*B*D`` for the
+      trajectory plus ``6*B*H + 4*B*D + 2*H*D + H*H`` that do not grow with
+      ``n`` (62 MB in float32 at B=4096, D=64, H=256, 32 steps).
 
     Products run as BLAS (CPU) or cuBLAS (CUDA, torch's current stream) calls
     over all rows, with fused epilogue kernels (bias/SiLU/SiLU', Euler update,

@@ -1,8 +1,8 @@
 // CPU implementation of fused_ops::flow_euler_backward (the step sequence and
 // the memory cost: flow_euler_backward.h).
 //
-// Each product is one BLAS call over all B rows (torch's BLAS, which threads
-// it); between them, fused single-pass epilogues: bias + SiLU + SiLU' of
+// Each product is one BLAS call over all B rows (all num_steps * B rows for
+// the weight gradients in resident mode; torch's BLAS threads it); between them, fused single-pass epilogues: bias + SiLU + SiLU' of
 // the recomputed hidden layers (SIMD exp, AVX2 when available), the Euler
 // update of the trajectory, and the gradient scalings/products fused with
 // their column sums.  Elementwise passes are split over rows and column sums

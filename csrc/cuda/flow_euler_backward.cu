@@ -12,14 +12,18 @@
 //                       kMul:   g_a = g_h * silu'(a), in place
 //                       fused with the column sums of g_v / g_a over a chunk of
 //                       kChunkRows rows per block (partials [P, N], P chunks)
-//   accumulate_kernel   weight gradients += this step's products; bias
+//   accumulate_kernel   streaming mode: weight gradients += this step's products; bias
 //                       gradients (and w1's time column) += the partials,
 //                       summed over chunks in chunk order
+//   finalize_biases_kernel   resident mode: bias gradients (and w1's time
+//                       column) from all steps' partials, in step order
 //   add_kernel          grad_x0 = g + pending g_x
 //
-// Per step: 2 launches + 2 products to recompute the hidden layers
-// (3 launches + 3 products per step of the trajectory pass), 4 launches +
-// 6 products for the adjoint.  No atomics: every sum has a fixed order, so
+// Resident mode (small problems, flow_euler_backward.h): per step 3 launches
+// + 3 products in the trajectory pass and 3 launches + 3 products in the
+// adjoint, then 3 products + 1 launch for the weight and bias gradients.
+// Streaming: per step 3 + 3 in the trajectory pass, 6 launches + 8 products
+// in the adjoint.  No atomics: every sum has a fixed order, so
 // results are bitwise reproducible (cuBLAS is deterministic on one device
 // and stream).
 
