@@ -5,6 +5,7 @@
 #
 #   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
 #   TEST_FILES="test_flow_euler.py" BENCH_ARGS="--ops flow" ...   # a narrower run
+#   SANITIZE_GROUPS="flow vae" SANITIZE_TOOLS="memcheck racecheck" SKIP_BENCH=1 ...
 #   FUSED_OPS_WHEEL=dist/x.whl OUT=... bash bench/gpu.sh
 #       installs that wheel (built elsewhere, e.g. on the CI machine) instead of
 #       building, and runs everything against the installed package from a
@@ -74,13 +75,15 @@ TEST_PATHS=("$REPO/tests")
 if [[ -n "${TEST_FILES:-}" ]]; then TEST_PATHS=(); for f in $TEST_FILES; do TEST_PATHS+=("$REPO/tests/$f"); done; fi
 stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "${TEST_PATHS[@]}"
 tail -n 15 "$LOGS/tests.log"
-for tool in memcheck racecheck initcheck; do
-  stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py"
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+  stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py" ${SANITIZE_GROUPS:-}
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
+if [[ -z "${SKIP_BENCH:-}" ]]; then
 stage kernels timeout 120 $PY -m bench.kernel_timing
 cat "$LOGS/kernels.log"
 stage bench timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" ${BENCH_ARGS:-}
 cat "$LOGS/bench.log"
+fi
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 cat "$SUMMARY"

@@ -1,6 +1,8 @@
 """A small CUDA run of every kernel path, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python bench/sanitize_run.py
+    compute-sanitizer --tool memcheck python bench/sanitize_run.py [group ...]
+
+(groups: importance_sampling, flow, flow_backward, vae; all by default).
 
 Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
@@ -108,9 +110,41 @@ def run_vae():
     return failures
 
 
-def main():
+FLOW_BACKWARD_CASES = [
+    # (B, D, H, num_steps, dtype)    what it exercises
+    (8, 64, 256, 4, torch.float32),  # resident mode, one column-sum chunk
+    (300, 5, 37, 3, torch.float32),  # streaming, two chunks (the last ragged), ragged column tiles
+    (4096, 64, 256, 2, torch.float32),  # streaming, 16 chunks
+    (1, 1, 3, 1, torch.float32),  # resident, smallest, a single step
+    (37, 6, 33, 3, torch.float64),  # resident, float64
+    (70, 6, 33, 8, torch.float64),  # streaming, float64
+    (0, 4, 9, 2, torch.float32),  # empty batch: zero weight gradients
+]
+
+
+def run_flow_backward():
     torch.manual_seed(0)
-    failures = run_vae()
+    failures = 0
+    for b, d, h, steps, dtype in FLOW_BACKWARD_CASES:
+        opts = dict(device="cuda", dtype=dtype)
+        x0 = torch.randn(b, d, **opts)
+        w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
+        w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
+        w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
+        b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
+        args = [t.requires_grad_() for t in (x0, w1, b1, w2, b2, w3, b3)]
+        upstream = torch.randn(b, d, **opts)
+        got = torch.autograd.grad(fused_ops.flow_euler(*args, steps), args, upstream)
+        want = torch.autograd.grad(reference.flow_euler(*args, steps), args, upstream)
+        ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
+        failures += not ok
+        print(f"flow backward B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
+    torch.cuda.synchronize()
+    return failures
+
+
+def run_importance_sampling():
+    failures = 0
     for n, d, k, dtype in CASES:
         opts = dict(device="cuda", dtype=dtype)
         x = torch.randn(n, d, **opts) * 3
@@ -125,9 +159,29 @@ def main():
         failures += not ok
         print(f"N={n} D={d} K={k} {dtype}: {'ok' if ok else 'MISMATCH'}")
     torch.cuda.synchronize()
-    failures += run_flow()
+    return failures
+
+
+GROUPS = {
+    "importance_sampling": run_importance_sampling,
+    "flow": run_flow,
+    "flow_backward": run_flow_backward,
+    "vae": run_vae,
+}
+
+
+def main(argv):
+    """Runs the named groups (all by default); exit status 1 on any mismatch."""
+    names = argv or list(GROUPS)
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        sys.exit(f"unknown groups {unknown}; choose from {list(GROUPS)}")
+    failures = 0
+    for name in names:
+        torch.manual_seed(0)
+        failures += GROUPS[name]()
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
