@@ -17,7 +17,7 @@ from torch import nn
 
 import fused_ops
 from fused_ops import reference
-from fused_test_utils import ARG_NAMES, DEVICE_PARAMS, make_inputs, sync
+from fused_test_utils import ARG_NAMES, DEVICE_PARAMS, make_inputs, requires_cuda, sync
 
 BWD = torch.ops.fused_ops.importance_sampling_backward.default
 OUT_NAMES = ("weighted_mean", "ess", "log_weights")
@@ -162,8 +162,9 @@ def test_backward_op_float32_accuracy(N, D, K, device):
 
 
 def test_grad_float64_large_n_vs_reference(device):
-    # Several tiles per CUDA block (grid-stride over tiles), many CPU chunks.
-    N, D, K = 70001, 5, 3
+    # CUDA: ~4000 tiles of 256 samples, more than the resident blocks, so
+    # blocks walk several tiles; CPU: 64 chunks.
+    N, D, K = (1000003 if device == "cuda" else 70001), 5, 3
     args = make_inputs(N, D, K, dtype=torch.float64, device=device, requires_grad=True)
     c = (torch.randn(D, dtype=torch.float64, device=device), torch.randn((), dtype=torch.float64, device=device),
          torch.randn(N, dtype=torch.float64, device=device))
@@ -171,6 +172,21 @@ def test_grad_float64_large_n_vs_reference(device):
                           grads_of(reference.importance_sampling, args, c, (0, 1, 2))):
         scale = max(b.abs().max().item(), 1.0)
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9 * scale, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize("N,D,K", [(4096, 16, 3), (129, 700, 3), (50, 2, 400), (1, 1, 1)],
+                         ids=["default", "long-rows", "many-components", "single"])
+@pytest.mark.parametrize("cuda", [pytest.param("cuda", marks=DEVICE_PARAMS[1].marks)])
+def test_backward_cuda_matches_cpu_float64(N, D, K, cuda):
+    # The CUDA kernel's paths (entries split over sample slices, one thread
+    # per entry for long rows, coefficients in global memory for large K)
+    # against the CPU kernel, in float64.
+    a = backward_args(N, D, K, torch.float64, "cpu")
+    want = BWD(*a)
+    got = BWD(*(None if t is None else t.to(cuda) for t in a))
+    for name, g, w in zip(ARG_NAMES, got, want):
+        scale = max(w.abs().max().item(), 1.0)
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-10, atol=1e-12 * scale, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ---------------------------------------------------------------------------
@@ -252,6 +268,45 @@ def test_backward_op_bad_inputs(index, value, match, device):
     a[index] = value(a)
     with pytest.raises(RuntimeError, match=match):
         BWD(*a)
+
+
+@requires_cuda
+def test_backward_cuda_uses_current_stream():
+    a = backward_args(1 << 18, 16, 3, torch.float32, "cuda")
+    want = BWD(*a)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # Delay the side stream, then produce an input on it: a kernel that
+        # ignored the current stream would read it before it is written.
+        torch.cuda._sleep(50_000_000)
+        up = a[2] * 1.0
+        got = BWD(a[0], a[1], up, *a[3:])
+    torch.cuda.synchronize()
+    for name, g, w in zip(ARG_NAMES, got, want):
+        assert torch.equal(g, w), name
+
+
+@requires_cuda
+def test_backward_cuda_graph_capture():
+    # No host synchronisation inside the backward op: capturable in a CUDA
+    # graph (torch.compile mode="reduce-overhead" training steps) and replayable.
+    a = list(backward_args(4096, 16, 3, torch.float32, "cuda"))
+    static_up = a[2].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        BWD(a[0], a[1], static_up, *a[3:])  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = BWD(a[0], a[1], static_up, *a[3:])
+    new_up = torch.randn_like(static_up)
+    static_up.copy_(new_up)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, g, w in zip(ARG_NAMES, out, BWD(a[0], a[1], new_up, *a[3:])):
+        assert torch.equal(g, w), name
 
 
 # ---------------------------------------------------------------------------

@@ -24,8 +24,10 @@
 // Phase C  After the second grid barrier the partials are summed over blocks
 //          in block order, one thread per entry, and scaled into the gradients.
 //
-// No atomics; every sum has a fixed order, so results are bitwise reproducible
-// for a given device and input size.  Workspace: O(grid * (K + 1) * D).
+// Per-sample arithmetic runs in the tensors' dtype; the sums over samples
+// (tile slices, tiles, blocks) in double.  No atomics; every sum has a fixed
+// order, so results are bitwise reproducible for a given device and input
+// size.  Workspace: O(grid * (K + 1) * D).
 
 #include <cooperative_groups.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -79,7 +81,7 @@ struct BackwardArgs {
   T* block_gl;    // [grid]        per-block partial of sum_i gL_i
   T* inv_std;     // [(K + 1) * D] row K: the proposal
   T* log_norm;    // [K + 1]       log w_k - sum_d log std_kd; [K]: -sum_d log q_std_d
-  T* block_acc;   // [grid, 2 * E] per-block S1 | S0 (E entries), then S2 (E entries)
+  double* block_acc;  // [grid, 2 * E] per-block S1 | S0 (E entries), then S2 (E entries)
   T* coef_global; // [grid, tile, K + 2] or nullptr (coefficients in shared memory)
 };
 
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
 importance_sampling_backward_kernel(const BackwardArgs<T> a) {
   extern __shared__ __align__(16) char smem_raw[];
   __shared__ T reduce_t[kWarps];
-  __shared__ T partial[2 * kThreads];
+  __shared__ double partial[2 * kThreads];
 
   const int tid = threadIdx.x;
   const int D = a.D, K = a.K;
@@ -96,7 +98,7 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
   const int64_t E = KD1 + K;  // entries: (k, d) for k <= K, then S0_k for k < K
   const int64_t gtid = int64_t(blockIdx.x) * blockDim.x + tid;
   const int64_t gthreads = int64_t(gridDim.x) * blockDim.x;
-  T* acc = a.block_acc + int64_t(blockIdx.x) * 2 * E;
+  double* acc = a.block_acc + int64_t(blockIdx.x) * 2 * E;
 
   // ---- Phase A ------------------------------------------------------------
   for (int64_t j = gtid; j < KD1; j += gthreads) {
@@ -200,7 +202,7 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
     }
 
     // 3. The tile's S1/S2/S0 contributions over samples t = first, first + step, ...
-    auto entry_sums = [&](int64_t p, int first, int step, T& s1, T& s2) {
+    auto entry_sums = [&](int64_t p, int first, int step, double& s1, double& s2) {
       s1 = 0;
       s2 = 0;
       if (p < KD1) {
@@ -211,18 +213,18 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
         for (int t = first; t < n; t += step) {
           const T z = (a.x[(i0 + t) * D + d] - mu) * inv;
           const T cf = coef[int64_t(t) * CS + k];  // k == K: g
-          s1 += cf * z;
-          s2 += cf * (z * z - T(1));
+          s1 += double(cf * z);
+          s2 += double(cf * (z * z - T(1)));
         }
       } else {
         const int64_t k = p - KD1;
-        for (int t = first; t < n; t += step) s1 += coef[int64_t(t) * CS + k];
+        for (int t = first; t < n; t += step) s1 += double(coef[int64_t(t) * CS + k]);
       }
     };
     const int R = int(std::max<int64_t>(1, std::min<int64_t>(n, blockDim.x / E)));
     if (R == 1) {
       for (int64_t p = tid; p < E; p += blockDim.x) {
-        T s1, s2;
+        double s1, s2;
         entry_sums(p, 0, 1, s1, s2);
         acc[p] += s1;
         acc[E + p] += s2;
@@ -230,14 +232,14 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
     } else {
       // R * E <= blockDim.x: thread tid sums slice r = tid / E of entry tid % E.
       if (tid < R * E) {
-        T s1, s2;
+        double s1, s2;
         entry_sums(tid % E, int(tid / E), R, s1, s2);
         partial[tid] = s1;
         partial[kThreads + tid] = s2;
       }
       __syncthreads();
       if (tid < E) {
-        T s1 = 0, s2 = 0;
+        double s1 = 0, s2 = 0;
         for (int r = 0; r < R; ++r) {
           s1 += partial[r * E + tid];
           s2 += partial[kThreads + r * E + tid];
@@ -254,26 +256,26 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
   // ---- Phase C ------------------------------------------------------------
   const int num_blocks = gridDim.x;
   for (int64_t p = gtid; p < E; p += gthreads) {
-    T s1 = 0, s2 = 0;
+    double s1 = 0, s2 = 0;
     for (int b = 0; b < num_blocks; ++b) {
-      const T* row = a.block_acc + int64_t(b) * 2 * E;
+      const double* row = a.block_acc + int64_t(b) * 2 * E;
       s1 += row[p];
       s2 += row[E + p];
     }
     if (p < KD1) {
       const int64_t k = p / D;
       const int64_t d = p - k * D;
-      const T inv = inv_std[p];
+      const double inv = inv_std[p];
       if (k < K) {
-        a.grad_mix_mus[p] = s1 * inv;
-        a.grad_mix_stds[p] = s2 * inv;
+        a.grad_mix_mus[p] = T(s1 * inv);
+        a.grad_mix_stds[p] = T(s2 * inv);
       } else {
-        a.grad_q_mu[d] = -s1 * inv;
-        a.grad_q_std[d] = -s2 * inv;
+        a.grad_q_mu[d] = T(-s1 * inv);
+        a.grad_q_std[d] = T(-s2 * inv);
       }
     } else {
       const int64_t k = p - KD1;
-      a.grad_mix_weights[k] = s1 / a.mix_weights[k];
+      a.grad_mix_weights[k] = T(s1 / double(a.mix_weights[k]));
     }
   }
 }
@@ -324,21 +326,24 @@ void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c
   int64_t grid = std::min(cuda::max_resident_blocks(kernel, kThreads, smem), num_tiles);
   // Bound the per-block workspace (partials, and coefficients when not in
   // shared memory) to ~256 MB.
-  const int64_t per_block = 2 * E + (coef_in_smem ? 0 : tile * CS);
+  const int64_t per_block =
+      2 * E * int64_t(sizeof(double) / sizeof(T)) + (coef_in_smem ? 0 : tile * CS);
   grid = std::min(grid, (int64_t(256) << 20) / int64_t(sizeof(T)) / std::max<int64_t>(per_block, 1));
   grid = std::max<int64_t>(grid, 1);
 
   // One workspace allocation, carved into 16-byte aligned arrays.
   auto count = [](int64_t n) { return (n * int64_t(sizeof(T)) + 15) / 16 * 16 / int64_t(sizeof(T)); };
   const int64_t n_gl = count(grid), n_inv = count((K + 1) * D), n_norm = count(K + 1);
-  const int64_t n_acc = count(grid * 2 * E), n_coef = coef_in_smem ? 0 : count(grid * tile * CS);
+  // Partials in double: count(2 * n) T elements hold n doubles when T is float.
+  const int64_t n_acc = count(grid * 2 * E * int64_t(sizeof(double) / sizeof(T)));
+  const int64_t n_coef = coef_in_smem ? 0 : count(grid * tile * CS);
   Tensor workspace = empty_like_device(c.x, {n_gl + n_inv + n_norm + n_acc + n_coef});
   T* w = workspace.mutable_data_ptr<T>();
   a.block_gl = w;
   a.inv_std = a.block_gl + n_gl;
   a.log_norm = a.inv_std + n_inv;
-  a.block_acc = a.log_norm + n_norm;
-  a.coef_global = coef_in_smem ? nullptr : a.block_acc + n_acc;
+  a.block_acc = reinterpret_cast<double*>(a.log_norm + n_norm);  // 16-byte aligned
+  a.coef_global = coef_in_smem ? nullptr : a.log_norm + n_norm + n_acc;
 
   cuda::launch_cooperative(kernel, grid, kThreads, smem, a);
 }
