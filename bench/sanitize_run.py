@@ -2,7 +2,8 @@
 
     compute-sanitizer --tool memcheck python bench/sanitize_run.py [group ...]
 
-(groups: importance_sampling, flow, flow_backward, vae; all by default).
+(groups: importance_sampling, importance_sampling_backward, flow, flow_backward,
+vae; all by default).
 
 Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
@@ -11,6 +12,11 @@ memory) and float64; for flow_euler, the cluster path (sm_90, B <= 32), the
 general path (float64; float32 too large for both); for vae_elbo, the cluster,
 tiled and general paths (VAE_CASES).  Each result is checked against the
 reference so a silent error also fails.
+
+For importance_sampling_backward: tiles of 32 and 256 samples (several per
+block), long rows (more gradient entries than threads), large K (coefficients
+in global memory), float64, absent upstream gradients; checked against the
+reference's autograd.
 """
 
 import sys
@@ -122,6 +128,52 @@ FLOW_BACKWARD_CASES = [
 ]
 
 
+IS_BACKWARD_CASES = [
+    # (N, D, K, dtype, upstream grads (mean, ess, log_weights))   path exercised
+    (4096, 16, 3, torch.float32, (1, 1, 1)),  # default: tiles of 32, entries over sample slices
+    (1000003, 5, 3, torch.float32, (1, 1, 1)),  # tiles of 256, several tiles per block
+    (129, 700, 3, torch.float32, (1, 0, 1)),  # entries > threads: one thread per entry, strided
+    (50, 2, 400, torch.float32, (0, 1, 0)),  # coefficients in global memory (large K)
+    (777, 3, 2, torch.float64, (1, 1, 1)),  # float64
+    (1, 1, 1, torch.float32, (1, 1, 1)),  # smallest
+    (300, 4, 3, torch.float32, (0, 0, 1)),  # log_weights gradient only
+]
+
+
+def run_is_backward():
+    """fused_ops::importance_sampling_backward (one cooperative launch),
+    checked against the reference's autograd."""
+    torch.manual_seed(0)
+    failures = 0
+    bwd = torch.ops.fused_ops.importance_sampling_backward.default
+    for n, d, k, dtype, which in IS_BACKWARD_CASES:
+        opts = dict(device="cuda", dtype=dtype)
+        x = torch.randn(n, d, **opts) * 3
+        w = torch.rand(k, **opts) + 0.1
+        mu = torch.randn(k, d, **opts) * 2
+        sd = torch.rand(k, d, **opts) + 0.5
+        qm = torch.randn(d, **opts)
+        qs = torch.rand(d, **opts) * 2 + 2
+        args = [t.requires_grad_() for t in (x, w, mu, sd, qm, qs)]
+        ups = [torch.randn(d, **opts), torch.randn((), **opts), torch.randn(n, **opts) / n**0.5]
+        ups = [u if use else None for u, use in zip(ups, which)]
+        with torch.no_grad():
+            out = fused_ops.importance_sampling(*args)
+        got = bwd(*ups, *[a.detach() for a in args], *out)
+        ref_out = reference.importance_sampling(*args)
+        loss = sum((o * u).sum() for o, u in zip(ref_out, ups) if u is not None)
+        want = torch.autograd.grad(loss, args, allow_unused=True)
+        ok = True
+        for g, r in zip(got, want):
+            r = torch.zeros_like(g) if r is None else r
+            scale = max(r.abs().max().item(), 1e-3)
+            ok &= bool(torch.isfinite(g).all()) and torch.allclose(g, r, rtol=1e-3, atol=1e-3 * scale)
+        failures += not ok
+        print(f"IS backward N={n} D={d} K={k} {dtype} grads={which}: {'ok' if ok else 'MISMATCH'}")
+    torch.cuda.synchronize()
+    return failures
+
+
 def run_flow_backward():
     torch.manual_seed(0)
     failures = 0
@@ -164,6 +216,7 @@ def run_importance_sampling():
 
 GROUPS = {
     "importance_sampling": run_importance_sampling,
+    "importance_sampling_backward": run_is_backward,
     "flow": run_flow,
     "flow_backward": run_flow_backward,
     "vae": run_vae,

@@ -43,8 +43,10 @@ def importance_sampling(
     are normalised (``logsumexp == 0``), ready for resampling.  Results are
     bitwise reproducible for the same inputs on the same device.
 
-    Differentiable with respect to every input (the backward recomputes the
-    per-component terms, ``O(N*K*D)`` temporary memory).
+    Differentiable with respect to every input, through the fused
+    :func:`importance_sampling_backward` op (it recomputes the per-component
+    terms; autograd saves the inputs and outputs only, no ``[N, K]`` or
+    ``[N, K, D]`` temporaries).  Double backward is not supported.
     """
     return torch.ops.fused_ops.importance_sampling.default(
         samples, mix_weights, mix_mus, mix_stds, q_mu, q_std
@@ -59,38 +61,89 @@ def _importance_sampling_fake(samples, mix_weights, mix_mus, mix_stds, q_mu, q_s
 
 
 def _importance_sampling_setup_context(ctx, inputs, output):
+    # The inputs and the outputs (weighted_mean [D], ess [], normalised
+    # log_weights [N]): O(N + D) beyond the inputs.  The responsibilities
+    # [N, K] are recomputed by the backward kernel, never stored.
     weighted_mean, ess, log_weights = output
     ctx.save_for_backward(*inputs, weighted_mean, ess, log_weights)
 
 
 def _importance_sampling_backward(ctx, grad_mean, grad_ess, grad_log_weights):
-    x, mix_weights, mix_mus, mix_stds, q_mu, q_std, mean, ess, log_w = ctx.saved_tensors
-    w = log_w.exp()
-    # Gradient with respect to the unnormalised log weights lw = log_p - log_q.
-    grad_lw = torch.zeros_like(w)
-    if grad_log_weights is not None:
-        grad_lw = grad_lw + grad_log_weights - w * grad_log_weights.sum()
-    if grad_mean is not None:
-        grad_lw = grad_lw + w * ((x - mean) @ grad_mean)
-    if grad_ess is not None:
-        grad_lw = grad_lw + grad_ess * 2 * ess * w * (1 - ess * w)
+    return torch.ops.fused_ops.importance_sampling_backward.default(
+        grad_mean, grad_ess, grad_log_weights, *ctx.saved_tensors
+    )
 
-    # Recompute the per-component terms (N, K, D) and responsibilities (N, K).
-    z = (x[:, None, :] - mix_mus) / mix_stds
-    log_comp = (-0.5 * z**2 - mix_stds.log()).sum(-1) + mix_weights.log()
-    resp = torch.softmax(log_comp, dim=-1)
-    gr = grad_lw[:, None] * resp  # d loss / d log_comp
-    zq = (x - q_mu) / q_std
 
-    grad_x = grad_lw[:, None] * (zq / q_std - (resp[:, :, None] * z / mix_stds).sum(1))
-    if grad_mean is not None:
-        grad_x = grad_x + w[:, None] * grad_mean
-    grad_mix_mus = torch.einsum("nk,nkd->kd", gr, z) / mix_stds
-    grad_mix_stds = (torch.einsum("nk,nkd->kd", gr, z**2) - gr.sum(0)[:, None]) / mix_stds
-    grad_mix_weights = gr.sum(0) / mix_weights
-    grad_q_mu = -(grad_lw @ zq) / q_std
-    grad_q_std = -(grad_lw @ zq**2 - grad_lw.sum()) / q_std
-    return grad_x, grad_mix_weights, grad_mix_mus, grad_mix_stds, grad_q_mu, grad_q_std
+def importance_sampling_backward(
+    grad_weighted_mean, grad_ess, grad_log_weights,
+    samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+    weighted_mean, ess, log_weights,
+):
+    r"""Fused backward of :func:`importance_sampling` (what autograd calls).
+
+    Takes the upstream gradients of ``weighted_mean [D]``, ``ess []`` and
+    ``log_weights [N]`` (any of them may be ``None``: zero), the forward's
+    inputs and its outputs; returns the gradients of ``(samples, mix_weights,
+    mix_mus, mix_stds, q_mu, q_std)``, contiguous, with the inputs' shapes.
+
+    Math, with ``w = exp(log_weights)``, ``lw = log_p - log_q`` the
+    unnormalised log weights and the responsibilities
+    ``r[i,k] = softmax_k(log_comp[i,k] + log mix_weights[k])`` (recomputed in
+    the kernel, not stored)::
+
+        g[i] = dL/dlw[i] = gL[i] - w[i]*sum(gL) + w[i]*(x[i]-mean).gM + gE*2*ess*w[i]*(1-ess*w[i])
+        z[i,k,d] = (x[i,d]-mix_mus[k,d])/mix_stds[k,d];   zq[i,d] = (x[i,d]-q_mu[d])/q_std[d]
+        grad_samples[i,d]  = g[i]*zq[i,d]/q_std[d] - sum_k g[i]*r[i,k]*z[i,k,d]/mix_stds[k,d] + w[i]*gM[d]
+        grad_mix_mus[k,d]  = sum_i g[i]*r[i,k]*z[i,k,d] / mix_stds[k,d]
+        grad_mix_stds[k,d] = sum_i g[i]*r[i,k]*(z[i,k,d]**2 - 1) / mix_stds[k,d]
+        grad_mix_weights[k] = sum_i g[i]*r[i,k] / mix_weights[k]
+        grad_q_mu[d]  = -sum_i g[i]*zq[i,d] / q_std[d]
+        grad_q_std[d] = -sum_i g[i]*(zq[i,d]**2 - 1) / q_std[d]
+
+    CPU: two passes over fixed chunks of samples (sum of gL, then the
+    per-sample work and chunk partials), merged in chunk order, in double.
+    CUDA: one cooperative launch; per-sample work in parallel over N, the sums
+    over N as per-block partials reduced in a fixed order (no atomics).  Both
+    are bitwise reproducible.  Temporary memory: O(chunks * K * D) on the CPU,
+    O(blocks * K * D) on CUDA, no [N, K] or [N, K, D] buffers.
+
+    Not differentiable itself: double backward raises a ``RuntimeError``.
+    """
+    return torch.ops.fused_ops.importance_sampling_backward.default(
+        grad_weighted_mean, grad_ess, grad_log_weights,
+        samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+        weighted_mean, ess, log_weights,
+    )
+
+
+@torch.library.register_fake("fused_ops::importance_sampling_backward")
+def _importance_sampling_backward_fake(
+    grad_weighted_mean, grad_ess, grad_log_weights,
+    samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+    weighted_mean, ess, log_weights,
+):
+    torch._check(samples.dim() == 2, lambda: f"samples must be a 2-D tensor [N, D], got {samples.shape}")
+    return tuple(t.new_empty(t.shape) for t in (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
+
+
+def _importance_sampling_backward_setup_context(ctx, inputs, output):
+    pass
+
+
+def _importance_sampling_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "fused_ops.importance_sampling does not support double backward: its fused backward "
+        "(fused_ops::importance_sampling_backward) is not differentiable. Differentiate "
+        "fused_ops.reference.importance_sampling instead for higher-order gradients "
+        "(e.g. create_graph=True, gradient penalties, Hessian-vector products)."
+    )
+
+
+torch.library.register_autograd(
+    "fused_ops::importance_sampling_backward",
+    _importance_sampling_double_backward,
+    setup_context=_importance_sampling_backward_setup_context,
+)
 
 
 torch.library.register_autograd(

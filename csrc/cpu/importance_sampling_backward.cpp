@@ -1,0 +1,223 @@
+// CPU kernel of fused_ops::importance_sampling_backward.
+//
+// With w_i = exp(log_weights_i) (the saved, normalised forward output) and
+// lw_i = log_p_i - log_q_i the unnormalised log weights, the upstream
+// gradients (gM [D], gE [], gL [N]; absent ones are zero) give
+//
+//   g_i = dL/dlw_i = gL_i - w_i * sum_j gL_j + w_i * (x_i - mean) . gM
+//                    + gE * 2 ess w_i (1 - ess w_i)
+//
+// and, with responsibilities r_ik = softmax_k(log w_k + log N_k(x_i)) (recomputed
+// here, never stored), z_ikd = (x_id - mu_kd) / std_kd, zq_id = (x_id - q_mu_d) / q_std_d:
+//
+//   grad_x_id      = g_i * zq_id / q_std_d - sum_k g_i r_ik z_ikd / std_kd + w_i gM_d
+//   grad_mix_mus   = sum_i g_i r_ik z_ikd / std_kd
+//   grad_mix_stds  = sum_i g_i r_ik (z_ikd^2 - 1) / std_kd
+//   grad_mix_wts_k = sum_i g_i r_ik / mix_weights_k
+//   grad_q_mu      = -sum_i g_i zq_id / q_std_d
+//   grad_q_std     = -sum_i g_i (zq_id^2 - 1) / q_std_d
+//
+// Two passes over the samples, both cut into fixed chunks (a function of N
+// only, never of the thread count) whose partials are merged in chunk order,
+// so results are bitwise the same for any number of threads: first the chunk
+// sums of gL, then the per-sample work and the chunk sums of the parameter
+// gradients.  Per-sample arithmetic and all sums run in double.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/logsumexp.h"
+#include "importance_sampling.h"
+
+namespace fused_ops {
+namespace {
+
+template <typename T>
+struct BackwardArgs {
+  const T* grad_mean;  // [D] or nullptr (zero)
+  const T* grad_ess;   // []  or nullptr
+  const T* grad_lw;    // [N] or nullptr
+  const T* x;          // [N, D]
+  const T* mix_weights;
+  const T* mean;       // [D] forward output
+  T ess;               // forward output
+  const T* log_weights;  // [N] forward output (normalised)
+  int64_t N, D, K;
+  T* grad_x;  // [N, D]
+};
+
+template <typename T>
+void importance_sampling_backward_kernel(const BackwardArgs<T>& a, const T* mix_mus,
+                                         const T* mix_stds, const T* q_mu, const T* q_std,
+                                         T* grad_mix_weights, T* grad_mix_mus, T* grad_mix_stds,
+                                         T* grad_q_mu, T* grad_q_std) {
+  using acc_t = double;
+  const int64_t N = a.N, D = a.D, K = a.K;
+  const int64_t KD1 = (K + 1) * D;
+  // Rows 0..K-1 of mu / inv_std are the mixture components, row K the proposal.
+  std::vector<acc_t> mu(KD1), inv_std(KD1), log_norm(K + 1);
+  for (int64_t k = 0; k <= K; ++k) {
+    const T* m = k < K ? mix_mus + k * D : q_mu;
+    const T* sd = k < K ? mix_stds + k * D : q_std;
+    acc_t log_det = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      mu[k * D + d] = m[d];
+      inv_std[k * D + d] = acc_t(1) / acc_t(sd[d]);
+      log_det += std::log(acc_t(sd[d]));
+    }
+    log_norm[k] = (k < K ? std::log(acc_t(a.mix_weights[k])) : 0.0) - log_det;
+  }
+  std::vector<acc_t> gM(D, 0.0), mean(D);
+  for (int64_t d = 0; d < D; ++d) {
+    mean[d] = a.mean[d];
+    if (a.grad_mean) gM[d] = a.grad_mean[d];
+  }
+  const acc_t ess = a.ess;
+  const acc_t gE = a.grad_ess ? acc_t(*a.grad_ess) : 0.0;
+
+  // Fixed chunks: at least 256 samples, at most 64 chunks (bounds the partials).
+  const int64_t chunk = std::max<int64_t>(256, (N + 63) / 64);
+  const int64_t num_chunks = (N + chunk - 1) / chunk;
+
+  // Pass 1: c = sum_i gL_i.
+  acc_t c = 0;
+  if (a.grad_lw) {
+    std::vector<acc_t> sums(num_chunks);
+    torch::stable::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t ch = c0; ch < c1; ++ch) {
+        const int64_t i1 = std::min(N, (ch + 1) * chunk);
+        acc_t s = 0;
+        for (int64_t i = ch * chunk; i < i1; ++i) s += a.grad_lw[i];
+        sums[ch] = s;
+      }
+    });
+    for (int64_t ch = 0; ch < num_chunks; ++ch) c += sums[ch];
+  }
+
+  // Pass 2.  Chunk partial layout: S1 [(K+1)*D] = sum g r z, S2 [(K+1)*D] =
+  // sum g r (z^2 - 1) (row K: the proposal, with r = 1), S0 [K] = sum g r.
+  const int64_t stride = 2 * KD1 + K;
+  std::vector<acc_t> partials(num_chunks * stride);
+  torch::stable::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<acc_t> z(KD1), coef(K + 1);
+    for (int64_t ch = c0; ch < c1; ++ch) {
+      acc_t* S1 = partials.data() + ch * stride;
+      acc_t* S2 = S1 + KD1;
+      acc_t* S0 = S2 + KD1;
+      std::fill(S1, S1 + stride, 0.0);
+      const int64_t i1 = std::min(N, (ch + 1) * chunk);
+      for (int64_t i = ch * chunk; i < i1; ++i) {
+        const T* xi = a.x + i * D;
+        // z for every component and the proposal; log densities of the components.
+        LogSumExp<acc_t> lse = LogSumExp<acc_t>::empty();
+        for (int64_t k = 0; k <= K; ++k) {
+          acc_t sq = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            const acc_t v = (acc_t(xi[d]) - mu[k * D + d]) * inv_std[k * D + d];
+            z[k * D + d] = v;
+            sq += v * v;
+          }
+          if (k < K) {
+            coef[k] = acc_t(-0.5) * sq + log_norm[k];
+            lse.push(coef[k]);
+          }
+        }
+        const acc_t w = std::exp(acc_t(a.log_weights[i]));
+        acc_t dot = 0;
+        if (a.grad_mean) {
+          for (int64_t d = 0; d < D; ++d) dot += (acc_t(xi[d]) - mean[d]) * gM[d];
+        }
+        acc_t g = (a.grad_lw ? acc_t(a.grad_lw[i]) : 0.0) - w * c + w * dot;
+        if (a.grad_ess) g += gE * 2 * ess * w * (1 - ess * w);
+        // coef[k] = g * r_ik (k < K), coef[K] = g.
+        const acc_t log_p = lse.value();
+        for (int64_t k = 0; k < K; ++k) coef[k] = g * std::exp(coef[k] - log_p);
+        coef[K] = g;
+        for (int64_t k = 0; k < K; ++k) S0[k] += coef[k];
+        for (int64_t k = 0; k <= K; ++k) {
+          const acc_t ck = coef[k];
+          const acc_t* zk = z.data() + k * D;
+          acc_t* s1 = S1 + k * D;
+          acc_t* s2 = S2 + k * D;
+          for (int64_t d = 0; d < D; ++d) {
+            s1[d] += ck * zk[d];
+            s2[d] += ck * (zk[d] * zk[d] - 1);
+          }
+        }
+        T* gx = a.grad_x + i * D;
+        for (int64_t d = 0; d < D; ++d) {
+          acc_t v = g * z[K * D + d] * inv_std[K * D + d] + w * gM[d];
+          for (int64_t k = 0; k < K; ++k) v -= coef[k] * z[k * D + d] * inv_std[k * D + d];
+          gx[d] = T(v);
+        }
+      }
+    }
+  });
+
+  // Merge the chunk partials in chunk order.
+  std::vector<acc_t> total(stride, 0.0);
+  for (int64_t ch = 0; ch < num_chunks; ++ch) {
+    const acc_t* part = partials.data() + ch * stride;
+    for (int64_t j = 0; j < stride; ++j) total[j] += part[j];
+  }
+  const acc_t* S1 = total.data();
+  const acc_t* S2 = S1 + KD1;
+  const acc_t* S0 = S2 + KD1;
+  for (int64_t k = 0; k < K; ++k) {
+    grad_mix_weights[k] = T(S0[k] / acc_t(a.mix_weights[k]));
+    for (int64_t d = 0; d < D; ++d) {
+      grad_mix_mus[k * D + d] = T(S1[k * D + d] * inv_std[k * D + d]);
+      grad_mix_stds[k * D + d] = T(S2[k * D + d] * inv_std[k * D + d]);
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    grad_q_mu[d] = T(-S1[K * D + d] * inv_std[K * D + d]);
+    grad_q_std[d] = T(-S2[K * D + d] * inv_std[K * D + d]);
+  }
+}
+
+}  // namespace
+
+ImportanceSamplingGrads importance_sampling_backward_cpu(
+    const std::optional<Tensor>& grad_weighted_mean, const std::optional<Tensor>& grad_ess,
+    const std::optional<Tensor>& grad_log_weights, const Tensor& samples,
+    const Tensor& mix_weights, const Tensor& mix_mus, const Tensor& mix_stds, const Tensor& q_mu,
+    const Tensor& q_std, const Tensor& weighted_mean, const Tensor& ess,
+    const Tensor& log_weights) {
+  ImportanceSamplingBackwardCall c(grad_weighted_mean, grad_ess, grad_log_weights, samples,
+                                   mix_weights, mix_mus, mix_stds, q_mu, q_std, weighted_mean,
+                                   ess, log_weights);
+  dispatch_float(samples.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    using Call = ImportanceSamplingBackwardCall;
+    const BackwardArgs<T> args{Call::optional_ptr<T>(c.grad_mean),
+                               Call::optional_ptr<T>(c.grad_ess),
+                               Call::optional_ptr<T>(c.grad_lw),
+                               c.x.const_data_ptr<T>(),
+                               c.mix_weights.const_data_ptr<T>(),
+                               c.weighted_mean.const_data_ptr<T>(),
+                               *c.ess.const_data_ptr<T>(),
+                               c.log_weights.const_data_ptr<T>(),
+                               c.N,
+                               c.D,
+                               c.K,
+                               c.grad_x.mutable_data_ptr<T>()};
+    importance_sampling_backward_kernel<T>(
+        args, c.mix_mus.const_data_ptr<T>(), c.mix_stds.const_data_ptr<T>(),
+        c.q_mu.const_data_ptr<T>(), c.q_std.const_data_ptr<T>(),
+        c.grad_mix_weights.mutable_data_ptr<T>(), c.grad_mix_mus.mutable_data_ptr<T>(),
+        c.grad_mix_stds.mutable_data_ptr<T>(), c.grad_q_mu.mutable_data_ptr<T>(),
+        c.grad_q_std.mutable_data_ptr<T>());
+  });
+  return c.result();
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
+  m.impl("importance_sampling_backward", TORCH_BOX(&importance_sampling_backward_cpu));
+}
+
+}  // namespace fused_ops
