@@ -3,14 +3,14 @@
     compute-sanitizer --tool memcheck python bench/sanitize_run.py [group ...]
 
 (groups: importance_sampling, importance_sampling_backward, flow, flow_backward,
-vae; all by default).
+vae, vae_backward; all by default).
 
 Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
 memory) and float64; for flow_euler, the cluster path (sm_90, B <= 32), the
 3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32) and the
 general path (float64; float32 too large for both); for vae_elbo, the cluster,
-tiled and general paths (VAE_CASES).  Each result is checked against the
+tiled and general paths (VAE_CASES) and the backward (VAE_BWD_CASES).  Each result is checked against the
 reference so a silent error also fails.
 
 For importance_sampling_backward: tiles of 32 and 256 samples (several per
@@ -195,6 +195,42 @@ def run_flow_backward():
     return failures
 
 
+# vae_elbo_backward (csrc/cuda/vae_elbo_backward.cu: one path, cuBLAS products
+# plus elementwise and column-sum kernels): (B, I, H, L, dtype, upstreams).
+VAE_BWD_CASES = [
+    (128, 784, 256, 32, torch.float32, ("elbo", "recon", "kl")),  # default size
+    (37, 1000, 130, 17, torch.float32, ("elbo",)),  # odd sizes, partial column-sum blocks
+    (5, 5, 7, 3, torch.float32, ("kl",)),  # tiny; recon upstream None
+    (70, 33, 16, 5, torch.float64, ("recon", "kl")),  # float64; elbo upstream None
+    (0, 6, 5, 3, torch.float32, ("elbo",)),  # empty batch: zero weight gradients
+]
+
+
+def run_vae_backward():
+    failures = 0
+    names = ("elbo", "recon", "kl")
+    for b, i, h, l_, dtype, used in VAE_BWD_CASES:
+        args = [t.requires_grad_() for t in vae_inputs(b, i, h, l_, dtype)]
+        ups = {n: torch.randn(b, device="cuda", dtype=dtype) for n in used}
+        out = dict(zip(names, fused_ops.vae_elbo(*args)))
+        got = torch.autograd.grad([out[n] for n in used], args, [ups[n] for n in used])
+        ref = reference.VAE(i, h, l_).to(device="cuda", dtype=dtype)
+        pnames = [n for n, _ in ref.named_parameters()]
+        rout = dict(zip(names, torch.func.functional_call(ref, dict(zip(pnames, args[2:])),
+                                                          (args[0], args[1]))))
+        want = torch.autograd.grad([rout[n] for n in used], args, [ups[n] for n in used],
+                                   allow_unused=True, materialize_grads=True)
+        ok = True
+        for g, r in zip(got, want):
+            scale = r.abs().max().item() if r.numel() else 1.0
+            ok &= torch.allclose(g, r, atol=1e-5 * max(scale, 1e-3), rtol=1e-4)
+        failures += not ok
+        print(f"vae_elbo backward B={b} I={i} H={h} L={l_} {dtype} {used}: "
+              f"{'ok' if ok else 'MISMATCH'}")
+    torch.cuda.synchronize()
+    return failures
+
+
 def run_importance_sampling():
     failures = 0
     for n, d, k, dtype in CASES:
@@ -220,6 +256,7 @@ GROUPS = {
     "flow": run_flow,
     "flow_backward": run_flow_backward,
     "vae": run_vae,
+    "vae_backward": run_vae_backward,
 }
 
 

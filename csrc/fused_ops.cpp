@@ -39,4 +39,9 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "flow_euler_backward(Tensor grad_x, Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, "
       "Tensor w3, Tensor b3, int num_steps) -> (Tensor grad_x0, Tensor grad_w1, Tensor grad_b1, "
       "Tensor grad_w2, Tensor grad_b2, Tensor grad_w3, Tensor grad_b3)");
+  m.def(
+      "vae_elbo_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl, Tensor x, "
+      "Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, Tensor w_logvar, "
+      "Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, Tensor b_dec2) -> (Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -349,9 +349,11 @@ def vae_elbo(
     nor the reconstruction are materialised.  Results are bitwise reproducible
     for the same inputs on the same device.
 
-    Differentiable with respect to every input (the backward recomputes the
-    forward activations with PyTorch ops and applies the closed-form gradients
-    that PyTorch's autograd applies to the reference).
+    Differentiable with respect to every input through the fused backward op
+    ``fused_ops::vae_elbo_backward`` (see :func:`_vae_elbo_backward`).  Only the
+    inputs are saved for the backward (no extra memory beyond references to
+    them); the backward recomputes h, mu, logvar, z, the decoder hidden layer
+    and p.  Double backward is not supported (a RuntimeError).
     """
     return torch.ops.fused_ops.vae_elbo.default(
         x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2
@@ -368,64 +370,72 @@ def _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1,
 
 
 def _vae_elbo_setup_context(ctx, inputs, output):
+    # Saves the 12 inputs only -- no activations: the backward op recomputes
+    # h, mu, logvar, z, the decoder hidden layer and p (one extra forward's
+    # products, cheaper than keeping B * (2H + 3L + I) activations alive
+    # between forward and backward).
     ctx.save_for_backward(*inputs)
 
 
 def _vae_elbo_backward(ctx, grad_elbo, grad_recon, grad_kl):
-    x, eps, w_enc, b_enc, w_mu, b_mu, w_lv, b_lv, w_d1, b_d1, w_d2, b_d2 = ctx.saved_tensors
-    # Upstream gradients of recon and kl per row (elbo = -(recon + kl)).
-    d_recon = torch.zeros_like(x[:, 0])
-    d_kl = torch.zeros_like(x[:, 0])
-    if grad_elbo is not None:
-        d_recon = d_recon - grad_elbo
-        d_kl = d_kl - grad_elbo
-    if grad_recon is not None:
-        d_recon = d_recon + grad_recon
-    if grad_kl is not None:
-        d_kl = d_kl + grad_kl
-    d_recon, d_kl = d_recon[:, None], d_kl[:, None]
+    r"""Backward of :func:`vae_elbo` through the fused op
+    ``fused_ops::vae_elbo_backward`` (CPU and CUDA kernels, csrc/).
 
-    # Recompute the activations.
-    h = torch.relu(torch.addmm(b_enc, x, w_enc.t()))
-    mu = torch.addmm(b_mu, h, w_mu.t())
-    logvar = torch.addmm(b_lv, h, w_lv.t())
-    std = torch.exp(0.5 * logvar)
-    z = mu + std * eps
-    g = torch.relu(torch.addmm(b_d1, z, w_d1.t()))
-    p = torch.sigmoid(torch.addmm(b_d2, g, w_d2.t()))
+    With per-row upstream gradients ``d_recon = grad_recon - grad_elbo`` and
+    ``d_kl = grad_kl - grad_elbo`` (a missing one counts as zero), it applies
+    the gradients PyTorch's autograd applies to the reference::
 
-    # PyTorch's binary_cross_entropy backward: d/dp = (p - x) / max(p (1 - p), 1e-12),
-    # d/dx = log(1 - p) - log(p) (unclamped: +-inf where p is exactly 0 or 1, as
-    # PyTorch gives); then sigmoid's backward multiplies by p (1 - p).
-    pq = p * (1 - p)
-    grad_p = d_recon * (p - x) / pq.clamp_min(1e-12)
-    grad_a3 = grad_p * pq
-    grad_x = d_recon * (torch.log1p(-p) - torch.log(p))
+        ga3  = d_recon * (p - x) / max((1 - p) * p, 1e-12) * (1 - p) * p   # BCE backward, clamp
+                                                                           # included, then sigmoid's
+        gx   = d_recon * -logit(p) + ga1 @ w_enc                           # BCE's target gradient
+        ga2  = (ga3 @ w_dec2) * (g > 0);      gz = ga2 @ w_dec1
+        gmu  = gz + d_kl * mu;  glv = 0.5 * gz * eps * std - 0.5 * d_kl * (1 - exp(logvar))
+        geps = gz * std;        ga1 = (gmu @ w_mu + glv @ w_logvar) * (h > 0)
+        gW   = ga^T @ input of the layer, gb = ga.sum(0)   for every layer
 
-    grad_w_d2 = grad_a3.t() @ g
-    grad_b_d2 = grad_a3.sum(0)
-    grad_a2 = (grad_a3 @ w_d2) * (g > 0)
-    grad_w_d1 = grad_a2.t() @ z
-    grad_b_d1 = grad_a2.sum(0)
-    grad_z = grad_a2 @ w_d1
-    # kl = -0.5 sum(1 + logvar - mu^2 - exp(logvar)): d/dmu = mu, d/dlogvar = 0.5 (exp(logvar) - 1).
-    grad_mu = grad_z + d_kl * mu
-    grad_lv = grad_z * eps * std * 0.5 + d_kl * 0.5 * (torch.exp(logvar) - 1)
-    grad_eps = grad_z * std
-    grad_w_mu = grad_mu.t() @ h
-    grad_b_mu = grad_mu.sum(0)
-    grad_w_lv = grad_lv.t() @ h
-    grad_b_lv = grad_lv.sum(0)
-    grad_a1 = (grad_mu @ w_mu + grad_lv @ w_lv) * (h > 0)
-    grad_w_enc = grad_a1.t() @ x
-    grad_b_enc = grad_a1.sum(0)
-    grad_x = grad_x + grad_a1 @ w_enc
-    return (
-        grad_x, grad_eps, grad_w_enc, grad_b_enc, grad_w_mu, grad_b_mu, grad_w_lv, grad_b_lv,
-        grad_w_d1, grad_b_d1, grad_w_d2, grad_b_d2,
+    At saturated ``p`` (exactly 0 or 1) ``-logit(p)`` is infinite, as in the
+    reference: ``gx`` is +-inf there wherever ``d_recon != 0``; a row whose
+    ``d_recon`` is exactly zero gets no BCE target term (where the
+    reference's autograd would not reach the BCE node, or form 0 * inf).
+
+    Memory: nothing saved beyond the inputs (no activations are kept between
+    forward and backward); while it runs the backward op holds, besides the
+    gradients, ``B * (I + 4H + 3L)`` scratch elements on the CPU and
+    ``B * (I + 4H + 6L) + 2LH`` on CUDA (784-256-32 at B=8192 in float32:
+    ~60 MB on the CPU, ~65 MB on CUDA), freed when it returns.
+
+    CPU: row blocks of 64 samples in parallel recompute the forward and run
+    the chain rule (BLAS products + fused epilogues); each weight gradient is
+    one product over all rows, each bias gradient a column sum in row order.
+    CUDA: 13 cuBLAS products and 9 small kernels (elementwise epilogues,
+    all bias gradients in one fixed-order column-sum launch, no atomics).  Both are deterministic.
+    """
+    return torch.ops.fused_ops.vae_elbo_backward.default(
+        grad_elbo, grad_recon, grad_kl, *ctx.saved_tensors
+    )
+
+
+@torch.library.register_fake("fused_ops::vae_elbo_backward")
+def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs):
+    return tuple(t.new_empty(t.shape) for t in inputs)
+
+
+def _vae_elbo_backward_setup_context(ctx, inputs, output):
+    pass
+
+
+def _vae_elbo_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "fused_ops.vae_elbo does not support double backward (a gradient of its gradients, "
+        "e.g. create_graph=True followed by another backward); use fused_ops.reference.VAE"
     )
 
 
 torch.library.register_autograd(
     "fused_ops::vae_elbo", _vae_elbo_backward, setup_context=_vae_elbo_setup_context
+)
+torch.library.register_autograd(
+    "fused_ops::vae_elbo_backward",
+    _vae_elbo_double_backward,
+    setup_context=_vae_elbo_backward_setup_context,
 )

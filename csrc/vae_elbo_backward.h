@@ -1,0 +1,88 @@
+// fused_ops::vae_elbo_backward: argument validation shared by the CPU and
+// CUDA wrappers of the backward of fused_ops::vae_elbo.
+//
+// Schema (csrc/fused_ops.cpp):
+//   vae_elbo_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl,
+//                     <the 12 inputs of vae_elbo>) -> 12 gradients
+// Each upstream gradient is [B] or None (= zeros).  The gradients come back
+// contiguous, one per forward input, in the forward's argument order.
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include "vae_elbo.h"
+
+namespace fused_ops {
+
+using VaeElboBackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                         Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// One backward call's checked sizes, contiguous inputs, contiguous upstream
+// gradients (nullopt where None) and freshly allocated gradient outputs.
+struct VaeElboBackwardCall {
+  int64_t B, I, H, L;
+  std::optional<Tensor> g_elbo, g_recon, g_kl;
+  Tensor x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2;
+  Tensor gx, geps, gw_enc, gb_enc, gw_mu, gb_mu, gw_logvar, gb_logvar, gw_dec1, gb_dec1, gw_dec2,
+      gb_dec2;
+
+  VaeElboBackwardCall(const std::optional<Tensor>& grad_elbo,
+                      const std::optional<Tensor>& grad_recon,
+                      const std::optional<Tensor>& grad_kl, const Tensor& x_, const Tensor& eps_,
+                      const Tensor& w_enc_, const Tensor& b_enc_, const Tensor& w_mu_,
+                      const Tensor& b_mu_, const Tensor& w_logvar_, const Tensor& b_logvar_,
+                      const Tensor& w_dec1_, const Tensor& b_dec1_, const Tensor& w_dec2_,
+                      const Tensor& b_dec2_) {
+    const auto s = check_vae_elbo_args(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_,
+                                       b_logvar_, w_dec1_, b_dec1_, w_dec2_, b_dec2_);
+    B = s.B, I = s.I, H = s.H, L = s.L;
+    auto grad = [&](const std::optional<Tensor>& g, const char* name) -> std::optional<Tensor> {
+      if (!g.has_value()) return std::nullopt;
+      check_rank(*g, name, 1, "[B]");
+      check_size(*g, name, 0, B, "B, the batch size of x");
+      check_same_float_dtype_and_device({{x_, "x"}, {*g, name}});
+      return as_contiguous(*g);
+    };
+    g_elbo = grad(grad_elbo, "grad_elbo");
+    g_recon = grad(grad_recon, "grad_recon");
+    g_kl = grad(grad_kl, "grad_kl");
+    x = as_contiguous(x_);
+    eps = as_contiguous(eps_);
+    w_enc = as_contiguous(w_enc_);
+    b_enc = as_contiguous(b_enc_);
+    w_mu = as_contiguous(w_mu_);
+    b_mu = as_contiguous(b_mu_);
+    w_logvar = as_contiguous(w_logvar_);
+    b_logvar = as_contiguous(b_logvar_);
+    w_dec1 = as_contiguous(w_dec1_);
+    b_dec1 = as_contiguous(b_dec1_);
+    w_dec2 = as_contiguous(w_dec2_);
+    b_dec2 = as_contiguous(b_dec2_);
+    gx = empty_like_device(x_, {B, I});
+    geps = empty_like_device(x_, {B, L});
+    gw_enc = empty_like_device(x_, {H, I});
+    gb_enc = empty_like_device(x_, {H});
+    gw_mu = empty_like_device(x_, {L, H});
+    gb_mu = empty_like_device(x_, {L});
+    gw_logvar = empty_like_device(x_, {L, H});
+    gb_logvar = empty_like_device(x_, {L});
+    gw_dec1 = empty_like_device(x_, {H, L});
+    gb_dec1 = empty_like_device(x_, {H});
+    gw_dec2 = empty_like_device(x_, {I, H});
+    gb_dec2 = empty_like_device(x_, {I});
+  }
+
+  // Pointer to an upstream gradient's data, nullptr where it is None.
+  template <typename T>
+  static const T* ptr(const std::optional<Tensor>& g) {
+    return g.has_value() ? g->const_data_ptr<T>() : nullptr;
+  }
+
+  VaeElboBackwardResult result() const {
+    return {gx,    geps,      gw_enc,    gb_enc,  gw_mu,   gb_mu,
+            gw_logvar, gb_logvar, gw_dec1, gb_dec1, gw_dec2, gb_dec2};
+  }
+};
+
+}  // namespace fused_ops

@@ -1,0 +1,267 @@
+"""Tests of the backward of fused_ops.vae_elbo (the custom op
+fused_ops::vae_elbo_backward, wired with torch.library.register_autograd)
+against the reference module's autograd (issue 5).
+
+CUDA variants are parametrised with DEVICE_PARAMS and are skipped without a GPU.
+"""
+
+import pytest
+import torch
+
+import fused_ops
+from fused_ops import reference
+from fused_test_utils import DEVICE_PARAMS, requires_cuda  # noqa: F401
+
+from test_vae_elbo import ARG_NAMES, make_inputs, ref_module
+
+BWD = torch.ops.fused_ops.vae_elbo_backward.default
+OUT_NAMES = ("elbo", "recon", "kl")
+
+
+def fused(*args):
+    return fused_ops.vae_elbo(*args)
+
+
+def reference_outputs(*args):
+    """(elbo, recon, kl) of the reference module holding the weights of
+    ``args``, as a differentiable function of ``args`` (functional_call)."""
+    x, eps, *params = args
+    m = ref_module([a.detach() for a in args])
+    names = [n for n, _ in m.named_parameters()]
+    return torch.func.functional_call(m, dict(zip(names, params)), (x, eps))
+
+
+def grads(fn, args, upstream):
+    """Gradients of fn(*args) for every input with the given upstream
+    gradients (a dict output name -> tensor; missing outputs are not used)."""
+    outs = dict(zip(OUT_NAMES, fn(*args)))
+    names = [n for n in OUT_NAMES if n in upstream]
+    return torch.autograd.grad([outs[n] for n in names], args, [upstream[n] for n in names],
+                               allow_unused=True, materialize_grads=True)
+
+
+def assert_grads_close(got, want, rtol=1e-4, atol_scale=1e-5):
+    """Per-input comparison, atol relative to the largest finite reference
+    gradient of that input (weight gradients are sums over the batch)."""
+    for name, g, w in zip(ARG_NAMES, got, want):
+        finite = w[torch.isfinite(w)]
+        scale = finite.abs().max().item() if finite.numel() else 1.0
+        torch.testing.assert_close(
+            g, w, rtol=rtol, atol=atol_scale * max(scale, 1e-3),
+            msg=lambda m, n=name: f"grad {n}: {m}",
+        )
+
+
+def saturate(args, x_exact=True):
+    """Decoder biases that drive whole columns of logits to p == 1.0 (+40,
+    +17) and p == 0.0 (-120) exactly in float32, and into the BCE backward's
+    clamp (-30: 0 < p (1 - p) < 1e-12); x exactly 0 and 1 in some columns."""
+    x, b2 = args[0], args[11]
+    with torch.no_grad():
+        n = b2.shape[0] // 6
+        for k, v in enumerate((40.0, 17.0, -120.0, -30.0)):
+            b2[k * n:(k + 1) * n] = v
+        if x_exact:
+            I = x.shape[1]
+            x[:, ::3] = 0.0
+            x[:, 1::3] = 1.0
+            x[::2, : I // 2] = 1.0 - x[::2, : I // 2].round()
+    return args
+
+
+# ---------------------------------------------------------------------------
+# gradcheck (float64)
+# ---------------------------------------------------------------------------
+
+
+def test_gradcheck_all_outputs(device):
+    args = make_inputs(3, 5, 7, 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(fused, args, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("out", [0, 1, 2], ids=OUT_NAMES)
+def test_gradcheck_single_output(out, device):
+    args = make_inputs(3, 5, 7, 3, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: fused(*a)[out], args, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_gradcheck_odd_sizes(device):
+    # Several CPU row blocks (64 rows each) and a partial one.
+    args = make_inputs(70, 4, 3, 2, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(fused, args, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
+
+
+def test_float64_matches_reference_autograd(device):
+    args = make_inputs(37, 50, 13, 4, dtype=torch.float64, device=device, requires_grad=True)
+    up = {n: torch.randn(37, dtype=torch.float64, device=device) for n in OUT_NAMES}
+    assert_grads_close(grads(fused, args, up), grads(reference_outputs, args, up), rtol=1e-10,
+                       atol_scale=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# float32 against the reference's autograd
+# ---------------------------------------------------------------------------
+
+F32_CASES = [
+    pytest.param(128, 784, 256, 32, id="B128-784-256-32"),
+    pytest.param(37, 1000, 130, 17, id="B37-1000-130-17"),
+]
+UPSTREAMS = [
+    pytest.param(("elbo", "recon", "kl"), id="all"),
+    pytest.param(("elbo",), id="elbo"),
+    pytest.param(("recon",), id="recon"),
+    pytest.param(("kl",), id="kl"),
+]
+
+
+@pytest.mark.parametrize("B,I,H,L", F32_CASES)
+@pytest.mark.parametrize("used", UPSTREAMS)
+def test_float32_matches_reference_autograd(B, I, H, L, used, device):
+    args = make_inputs(B, I, H, L, device=device, requires_grad=True)
+    up = {n: torch.randn(B, device=device) for n in used}
+    assert_grads_close(grads(fused, args, up), grads(reference_outputs, args, up))
+
+
+@pytest.mark.parametrize("B,I,H,L", F32_CASES)
+@pytest.mark.parametrize("used", UPSTREAMS)
+def test_float32_saturated_matches_reference_autograd(B, I, H, L, used, device):
+    args = saturate(make_inputs(B, I, H, L, device=device, requires_grad=True))
+    with torch.no_grad():
+        p = torch.sigmoid(torch.nn.functional.linear(
+            torch.relu(torch.nn.functional.linear(
+                reference_outputs_z(args), args[8], args[9])), args[10], args[11]))
+    assert (p == 1.0).any() and (p == 0.0).any() and ((p * (1 - p) < 1e-12) & (p > 0)).any()
+    up = {n: torch.randn(B, device=device) for n in used}
+    got = grads(fused, args, up)
+    want = grads(reference_outputs, args, up)
+    # x's gradient is +-inf exactly where the reference's is (p == 0 or 1 with
+    # a nonzero recon upstream); no NaN appears on either side.
+    assert not any(g.isnan().any() for g in got)
+    assert torch.equal(got[0].isinf(), want[0].isinf())
+    if "elbo" in used or "recon" in used:
+        assert got[0].isinf().any()
+    assert_grads_close(got, want)
+
+
+def reference_outputs_z(args):
+    x, eps, we, be, wm, bm, wl, bl = args[:8]
+    h = torch.relu(torch.nn.functional.linear(x, we, be))
+    return torch.nn.functional.linear(h, wm, bm) + torch.exp(0.5 * torch.nn.functional.linear(h, wl, bl)) * eps
+
+
+def test_grads_through_module_and_batch_shape(device):
+    torch.manual_seed(0)
+    ref = reference.VAE(20, 16, 4).to(device)
+    fm = fused_ops.nn.VAE(20, 16, 4).to(device)
+    fm.load_state_dict(ref.state_dict())
+    x = torch.rand(2, 5, 20, device=device)
+    eps = torch.randn(2, 5, 4, device=device)
+    for m in (ref, fm):
+        elbo, recon, kl = m(x, eps)
+        (-elbo.mean() + 0.1 * kl.sum()).backward()
+    for (n, a), b in zip(fm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_deterministic(device):
+    args = make_inputs(300, 100, 40, 8, device=device)
+    up = [torch.randn(300, device=device) for _ in range(3)]
+    a = BWD(*up, *args)
+    b = BWD(*up, *args)
+    for n, u, v in zip(ARG_NAMES, a, b):
+        assert torch.equal(u, v), n
+
+
+def test_backward_op_none_means_zero(device):
+    args = make_inputs(9, 6, 5, 3, dtype=torch.float64, device=device)
+    g = torch.randn(9, dtype=torch.float64, device=device)
+    z = torch.zeros_like(g)
+    for k in range(3):
+        ups = [None, None, None]
+        ups[k] = g
+        full = [z, z, z]
+        full[k] = g
+        for n, a, b in zip(ARG_NAMES, BWD(*ups, *args), BWD(*full, *args)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
+    for n, a in zip(ARG_NAMES, BWD(None, None, None, *args)):
+        assert torch.equal(a, torch.zeros_like(a)), n
+
+
+def test_empty_batch(device):
+    args = make_inputs(0, 6, 5, 3, device=device)
+    out = BWD(torch.empty(0, device=device), None, None, *args)
+    for n, a, t in zip(ARG_NAMES, out, args):
+        assert a.shape == t.shape, n
+        assert torch.equal(a, torch.zeros_like(a)), n
+
+
+def test_backward_op_argument_errors(device):
+    args = make_inputs(4, 6, 5, 3, device=device)
+    with pytest.raises(RuntimeError, match=r"grad_recon.shape\[0\] must be 4"):
+        BWD(None, torch.ones(5, device=device), None, *args)
+    with pytest.raises(RuntimeError, match="grad_kl must have the same dtype"):
+        BWD(None, None, torch.ones(4, dtype=torch.float64, device=device), *args)
+    with pytest.raises(RuntimeError, match="grad_elbo must be a 1-D tensor"):
+        BWD(torch.ones(4, 1, device=device), None, None, *args)
+
+
+# ---------------------------------------------------------------------------
+# opcheck, double backward, torch.compile training step
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_opcheck_backward_op(dtype, device):
+    args = make_inputs(6, 5, 7, 3, dtype=dtype, device=device)
+    g = [torch.randn(6, dtype=dtype, device=device) for _ in range(3)]
+    for ups in ((g[0], g[1], g[2]), (None, g[1], None), (g[0], None, None)):
+        result = torch.library.opcheck(BWD, (*ups, *args))
+        assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_opcheck_forward_requires_grad(device):
+    args = make_inputs(6, 5, 7, 3, dtype=torch.float64, device=device, requires_grad=True)
+    result = torch.library.opcheck(torch.ops.fused_ops.vae_elbo.default, tuple(args))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_double_backward_raises(device):
+    args = make_inputs(4, 6, 5, 3, dtype=torch.float64, device=device, requires_grad=True)
+    elbo, recon, kl = fused(*args)
+    g = torch.autograd.grad(elbo.sum(), args, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(sum(t.sum() for t in g), args, allow_unused=True)
+
+
+def test_compile_training_step_matches_reference(device):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    ref = reference.VAE(64, 48, 8).to(device)
+    fm = fused_ops.nn.VAE(64, 48, 8).to(device)
+    fm.load_state_dict(ref.state_dict())
+    x = torch.rand(32, 64, device=device)
+    x[:, :4] = 1.0
+    x[:, 4:8] = 0.0
+    eps = torch.randn(32, 8, device=device)
+
+    def loss_fn(model, x, eps):
+        elbo, recon, kl = model(x, eps)
+        return -elbo.mean() + 0.01 * recon.sum() - 0.1 * kl.mean()
+
+    compiled = torch.compile(lambda x, eps: loss_fn(fm, x, eps), fullgraph=True)
+    opt_f = torch.optim.SGD(fm.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        opt_f.zero_grad()
+        opt_r.zero_grad()
+        lf = compiled(x, eps)
+        lr = loss_fn(ref, x, eps)
+        torch.testing.assert_close(lf, lr, rtol=1e-5, atol=1e-5)
+        lf.backward()
+        lr.backward()
+        for (n, a), b in zip(fm.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"grad {n}: {m}")
+        opt_f.step()
+        opt_r.step()
+        for (n, a), b in zip(fm.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
