@@ -301,6 +301,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="also train torch.compile(reference forward + loss) (default: on for cuda)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (CPU; default: torch's default). On a loaded "
+                             "machine fewer threads than cores avoid OpenMP oversubscription stalls")
     parser.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the time statistics")
     parser.add_argument("--log-every", type=int, default=50, help="print losses every N steps (0: never)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="output directory")
@@ -319,6 +322,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         args.steps = 500 if device.type == "cuda" else 100
     if args.compile is None:
         args.compile = device.type == "cuda"
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     import fused_ops  # noqa: F401  (fails early with the loader's message when not built)
 
     meta_args = argparse.Namespace(no_compile=not args.compile, sizes=None, argv=args.argv)
