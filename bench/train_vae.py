@@ -199,7 +199,7 @@ def format_markdown(meta: Dict[str, Any], config: Dict[str, Any], summary: Dict[
         "",
         f"- device: {meta['device']} ({meta['device_type']}); torch {meta['torch_version']}, "
         f"CUDA {meta['cuda_version']}; {meta['num_threads']} threads of {meta['cpu_count']} cores, "
-        f"load average at start {meta['load_avg_1m']}",
+        f"load average at start {meta['load_avg_1m']:.2f}",
         f"- date (UTC): {meta['date_utc']}; git commit: {meta['git_commit']}"
         + (" (uncommitted changes)" if meta.get("git_dirty") else ""),
         f"- model {config['input_dim']}-{config['hidden_dim']}-{config['latent_dim']}, batch {config['batch']}, "
@@ -207,6 +207,9 @@ def format_markdown(meta: Dict[str, Any], config: Dict[str, Any], summary: Dict[
         "stroke images; same initial weights, batches and eps for every model",
         "- step = zero_grad + forward + `-elbo.mean()` + backward + Adam step, synchronised; "
         f"median over steps after the first {summary['warmup_steps_excluded']}",
+        "- models: `reference` = `fused_ops.reference.VAE`, `fused` = `fused_ops.nn.VAE`"
+        + (", `compile` = `torch.compile` of the reference's forward + loss (first step includes compilation)"
+           if config.get("compile") else ""),
         "",
         "| model | ms / step (median) | mean | min | first step | x reference | final loss | max rel. diff of loss vs reference |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
