@@ -16,16 +16,45 @@ compared with the eager reference (``atol = rtol = 1e-4``).
 
 Results go to stdout (a table) and to ``<out>/<device_slug>.{json,md,png}``.
 
+Training-step rows (``--train``; written to ``<out>/<device_slug>-train.*``,
+workloads ``vae_train``, ``flow_train``, ``importance_sampling_train``) time a
+training step instead of a forward call, at the same sizes.  A step is::
+
+    for p in params: p.grad = None          # zero_grad(set_to_none=True)
+    loss = loss_fn(module(*inputs))         # forward + scalar loss
+    loss.backward()
+    optimizer.step()                        # only with --optimizer sgd|adam
+
+with the default ``--optimizer none`` timing forward + backward (the part the
+fused ops change; an optimizer step costs every variant the same).  Each
+variant trains its own deep copy of one seeded reference module, so all start
+from the same parameters.  Variants: ``eager`` (the reference module),
+``compile`` / ``compile_ro`` (``torch.compile`` of the forward + loss function,
+default / ``reduce-overhead`` mode; its backward is the AOTAutograd-compiled
+backward, run by the eager ``loss.backward()`` call; the zero_grad and
+optimizer step stay eager), peers, and ``fused`` (the fused module's forward
+with its registered autograd backward).  The losses are ``-elbo.mean()``
+(VAE), ``x.square().mean()`` of the ODE's output (flow) and
+``weighted_mean.square().sum() - log(ess)`` (importance sampling, whose
+``q_mu``, ``q_std`` and mixture tensors become ``nn.Parameter``s on both
+modules).  Every variant's loss and parameter gradients of its first step are
+checked against eager's (atol = rtol = 1e-3).  The VAE rows carry the issue's
+relative targets (``x eager`` / ``x compile_ro`` of the fused step).
+
 Usage, from the repository root::
 
     python -m bench.benchmark                      # all implemented workloads, all sizes
     python -m bench.benchmark --device cpu --quick # smoke test
     python -m bench.benchmark --ops flow --sizes default --no-compile
+    python -m bench.benchmark --train                      # training-step rows
+    python -m bench.benchmark --train --optimizer adam --ops vae
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import datetime
 import gc
 import importlib.util
@@ -54,6 +83,11 @@ if __package__ in (None, ""):
 
 SEED = 0
 ATOL = RTOL = 1e-4
+# Training rows compare a scalar loss and parameter gradients (sums over the
+# batch), which accumulate more rounding than a forward output.
+TRAIN_ATOL = TRAIN_RTOL = 1e-3
+TRAIN_SUFFIX = "_train"
+OPTIMIZERS = ("none", "sgd", "adam")
 DEFAULT_OUT = BENCH_DIR / "results"
 QUICK_MIN_RUN_TIME = 0.01  # seconds
 TABLE_LEGEND = (
@@ -97,6 +131,14 @@ class Workload:
             Defaults to ``fused_ops.nn.<fused_name>.from_reference``.
         peers: other implementations timed as baselines, by name.
         targets_us: size name -> DESIGN.md section 7 target (H200, CUDA).
+        train_loss: outputs of the module -> scalar loss of a training step
+            (``--train``); ``None``: the workload has no training rows.
+        make_trainable: reference module -> the module to train (in place;
+            e.g. buffers turned into parameters).  Defaults to the module.
+        make_fused_trainable: trainable reference -> fused module sharing its
+            parameters.  Defaults to ``build_fused``.
+        train_speedup_targets: size name -> {baseline variant: minimum
+            ``baseline time / fused time``} of the training step (CUDA).
     """
 
     name: str
@@ -107,6 +149,10 @@ class Workload:
     make_fused: Optional[Callable[[torch.nn.Module], Callable]] = None
     peers: Dict[str, Peer] = field(default_factory=dict)
     targets_us: Dict[str, float] = field(default_factory=dict)
+    train_loss: Optional[Callable[[Any], torch.Tensor]] = None
+    make_trainable: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
+    make_fused_trainable: Optional[Callable[[torch.nn.Module], Callable]] = None
+    train_speedup_targets: Dict[str, Dict[str, float]] = field(default_factory=dict)
 
     def fused_available(self) -> bool:
         """Whether ``fused_ops.nn`` provides this workload's fused module."""
@@ -121,6 +167,16 @@ class Workload:
         import fused_ops.nn
 
         return getattr(fused_ops.nn, self.fused_name).from_reference(reference)
+
+    def build_trainable(self, reference: torch.nn.Module) -> torch.nn.Module:
+        """The module a training step trains, made from a fresh reference."""
+        return reference if self.make_trainable is None else self.make_trainable(reference)
+
+    def build_fused_trainable(self, trainable: torch.nn.Module) -> Callable:
+        """The fused module sharing the parameters of ``trainable``."""
+        if self.make_fused_trainable is not None:
+            return self.make_fused_trainable(trainable)
+        return self.build_fused(trainable)
 
 
 @dataclass(frozen=True)
@@ -158,6 +214,35 @@ def _is_inputs(p: Params) -> Inputs:
     return (torch.randn(p["N"], p["D"]) * 3.0,)
 
 
+IS_TENSORS = ("mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
+
+
+def _is_trainable(module: torch.nn.Module) -> torch.nn.Module:
+    """Turn the sampler's five buffers into ``nn.Parameter``s (same names, values)."""
+    for name in IS_TENSORS:
+        value = getattr(module, name)
+        delattr(module, name)
+        module.register_parameter(name, torch.nn.Parameter(value.detach().clone()))
+    return module
+
+
+def _is_fused_trainable(trainable: torch.nn.Module) -> torch.nn.Module:
+    """A ``fused_ops.nn.ImportanceSampler`` whose five tensors are ``trainable``'s parameters."""
+    import fused_ops.nn
+
+    num_components, dim = trainable.mix_mus.shape
+    fused = fused_ops.nn.ImportanceSampler(dim, num_components=num_components).to(trainable.mix_mus.device)
+    for name in IS_TENSORS:
+        delattr(fused, name)
+        fused.register_parameter(name, getattr(trainable, name))
+    return fused
+
+
+def _is_loss(outputs: Any) -> torch.Tensor:
+    weighted_mean, ess = outputs
+    return weighted_mean.square().sum() - ess.log()
+
+
 # --- flow ODE -----------------------------------------------------------------
 
 
@@ -169,6 +254,10 @@ def _flow_reference(p: Params) -> torch.nn.Module:
 
 def _flow_inputs(p: Params) -> Inputs:
     return (torch.randn(p["B"], p["D"]),)
+
+
+def _flow_loss(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean()
 
 
 def _flow_torchdiffeq(reference: torch.nn.Module) -> Callable:
@@ -210,6 +299,11 @@ def _vae_inputs(p: Params) -> Inputs:
     return x, eps
 
 
+def _vae_loss(outputs: Any) -> torch.Tensor:
+    elbo = outputs[0]
+    return -elbo.mean()
+
+
 WORKLOADS: Dict[str, Workload] = {
     w.name: w
     for w in (
@@ -223,6 +317,9 @@ WORKLOADS: Dict[str, Workload] = {
             make_reference=_is_reference,
             make_inputs=_is_inputs,
             targets_us={"default": 15.0, "large": 30.0},
+            train_loss=_is_loss,
+            make_trainable=_is_trainable,
+            make_fused_trainable=_is_fused_trainable,
         ),
         Workload(
             name="flow",
@@ -235,6 +332,7 @@ WORKLOADS: Dict[str, Workload] = {
             make_inputs=_flow_inputs,
             peers={"torchdiffeq": Peer(requires="torchdiffeq", make=_flow_torchdiffeq)},
             targets_us={"default": 60.0, "large": 450.0},
+            train_loss=_flow_loss,
         ),
         Workload(
             name="vae",
@@ -246,6 +344,13 @@ WORKLOADS: Dict[str, Workload] = {
             make_reference=_vae_reference,
             make_inputs=_vae_inputs,
             targets_us={"default": 20.0, "large": 120.0},
+            train_loss=_vae_loss,
+            # Issue 5: the fused training step >= 3x eager and faster than
+            # compile reduce-overhead at B=128; >= 1.3x eager at B=8192.
+            train_speedup_targets={
+                "default": {EAGER: 3.0, COMPILE_RO: 1.0},
+                "large": {EAGER: 1.3},
+            },
         ),
     )
 }
@@ -272,12 +377,14 @@ def snapshot(outputs: Any) -> Tuple[torch.Tensor, ...]:
     return tuple(t.detach().clone() for t in as_tuple(outputs))
 
 
-def compare(expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]) -> Tuple[bool, Optional[float], str]:
+def compare(
+    expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor], atol: float = ATOL, rtol: float = RTOL
+) -> Tuple[bool, Optional[float], str]:
     """Check ``actual`` against ``expected`` output by output.
 
     Returns ``(match, max_abs_err, detail)``: ``match`` is true when every
-    output has the same shape and is ``allclose`` (atol = rtol = 1e-4, NaNs
-    equal); ``detail`` names the first offending output.
+    output has the same shape and is ``allclose`` (default atol = rtol =
+    1e-4, NaNs equal); ``detail`` names the first offending output.
     """
     if len(expected) != len(actual):
         return False, None, f"{len(actual)} outputs, expected {len(expected)}"
@@ -290,7 +397,7 @@ def compare(expected: Sequence[torch.Tensor], actual: Sequence[torch.Tensor]) ->
         act = act.to(device=exp.device, dtype=exp.dtype)
         err = (act - exp).abs().nan_to_num(nan=0.0).max().item() if exp.numel() else 0.0
         max_err = max(max_err, err)
-        if not torch.allclose(act, exp, atol=ATOL, rtol=RTOL, equal_nan=True) and match:
+        if not torch.allclose(act, exp, atol=atol, rtol=rtol, equal_nan=True) and match:
             match = False
             detail = f"output {i}: max abs err {err:.3g}"
     return match, max_err, detail
@@ -326,26 +433,32 @@ def measure_variant(
     expected: Optional[Tuple[torch.Tensor, ...]],
     min_run_time: float,
     label: str,
+    check_first_call: bool = False,
+    tolerance: Tuple[float, float] = (ATOL, RTOL),
 ) -> Tuple[Dict[str, Any], Optional[Tuple[torch.Tensor, ...]]]:
     """Build, warm up, check and time one variant; never raises.
 
     Returns the variant's result record and (for use as the reference of the
-    other variants) a snapshot of its outputs, or ``None`` on error.
+    other variants) a snapshot of its outputs, or ``None`` on error.  The
+    outputs checked are those of the call after warm-up, or with
+    ``check_first_call`` (training steps that update the parameters) those of
+    the first call.
     """
     result: Dict[str, Any] = {"status": "ok"}
     try:
         start = time.perf_counter()
         fn = build()
         warmup_calls = WARMUP_CALLS.get(name, DEFAULT_WARMUP_CALLS)
-        for _ in range(warmup_calls):
+        first = snapshot(fn(*inputs)) if check_first_call else None
+        for _ in range(warmup_calls - (1 if check_first_call else 0)):
             fn(*inputs)
         synchronize(device)
         result["warmup_s"] = round(time.perf_counter() - start, 3)  # includes compilation
         result["warmup_calls"] = warmup_calls
 
-        outputs = snapshot(fn(*inputs))
+        outputs = first if first is not None else snapshot(fn(*inputs))
         if expected is not None and name != EAGER:
-            match, max_err, detail = compare(expected, outputs)
+            match, max_err, detail = compare(expected, outputs, *tolerance)
             result.update(match=match, max_abs_err=max_err)
             if not match:
                 result["mismatch"] = detail
@@ -366,9 +479,10 @@ def measure_variant(
 def warn_mismatch(label: str, variant: str, detail: str) -> None:
     """Print a conspicuous warning that a variant disagrees with eager."""
     bar = "!" * 78
+    tol = TRAIN_ATOL if label.split("/")[0].endswith(TRAIN_SUFFIX) else ATOL
     print(
         f"{bar}\n!! WARNING: {variant} output does NOT match the eager reference "
-        f"(atol=rtol={ATOL:g})\n!!   {label}: {detail}\n{bar}",
+        f"(atol=rtol={tol:g})\n!!   {label}: {detail}\n{bar}",
         flush=True,
     )
 
@@ -417,39 +531,173 @@ def variant_builders(
     return variants
 
 
+# --- training steps -------------------------------------------------------------
+
+# The benchmark times thousands of steps; a tiny learning rate keeps the
+# parameters (positive scales of the importance sampler, say) where they were.
+TRAIN_LR = 1e-6
+
+
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter]) -> Optional[torch.optim.Optimizer]:
+    """``--optimizer``: ``None`` for "none", else SGD or Adam (default foreach implementation)."""
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=TRAIN_LR)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=TRAIN_LR)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+
+
+def make_train_step(
+    forward: Callable,
+    params: Sequence[torch.nn.Parameter],
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: str,
+    compile_kwargs: Optional[Dict[str, Any]] = None,
+) -> Callable[..., Tuple[torch.Tensor, ...]]:
+    """A training step ``(*inputs) -> (loss, *grads)`` of ``forward`` over ``params``.
+
+    zero_grad (set to ``None``), forward + loss, ``loss.backward()`` and the
+    optional optimizer step.  With ``compile_kwargs`` the forward + loss
+    function is ``torch.compile``d (AOTAutograd compiles its backward too);
+    backward and optimizer are called eagerly.  Under reduce-overhead every
+    step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
+    """
+    params = list(params)
+
+    def forward_loss(*inputs: torch.Tensor) -> torch.Tensor:
+        return loss_fn(forward(*inputs))
+
+    if compile_kwargs is not None:
+        torch._dynamo.reset()
+        forward_loss = torch.compile(forward_loss, **compile_kwargs)
+    cudagraphs = (compile_kwargs or {}).get("mode") == "reduce-overhead"
+    opt = make_optimizer(optimizer, params)
+
+    def step(*inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        for p in params:
+            p.grad = None
+        loss = forward_loss(*inputs)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return (loss.detach(), *(p.grad if p.grad is not None else torch.zeros_like(p) for p in params))
+
+    return step
+
+
+def train_variant_builders(
+    workload: Workload,
+    reference: torch.nn.Module,
+    device: torch.device,
+    use_compile: bool,
+    fused_ok: bool,
+    optimizer: str,
+) -> List[Tuple[str, Optional[Callable[[], Callable]], str]]:
+    """Like :func:`variant_builders`, for training steps: each build trains
+    its own deep copy of ``reference`` (made trainable), so every variant
+    starts from the same parameters."""
+    loss_fn = workload.train_loss
+    assert loss_fn is not None
+
+    def fresh() -> torch.nn.Module:
+        return workload.build_trainable(copy.deepcopy(reference))
+
+    def plain(make_forward: Callable[[torch.nn.Module], Callable]) -> Callable[[], Callable]:
+        def build() -> Callable:
+            module = fresh()
+            return make_train_step(make_forward(module), module.parameters(), loss_fn, optimizer)
+
+        return build
+
+    def compiled(**kwargs: Any) -> Callable[[], Callable]:
+        def build() -> Callable:
+            module = fresh()
+            return make_train_step(module, module.parameters(), loss_fn, optimizer, dict(kwargs))
+
+        return build
+
+    variants: List[Tuple[str, Optional[Callable[[], Callable]], str]] = [(EAGER, plain(lambda m: m), "")]
+    if not use_compile:
+        variants.append((COMPILE, None, "disabled by --no-compile"))
+        variants.append((COMPILE_RO, None, "disabled by --no-compile"))
+    else:
+        variants.append((COMPILE, compiled(), ""))
+        if device.type == "cuda":
+            variants.append((COMPILE_RO, compiled(mode="reduce-overhead"), ""))
+        else:
+            variants.append((COMPILE_RO, None, "CUDA only"))
+    for peer_name, peer in workload.peers.items():
+        if peer.available():
+            variants.append((peer_name, plain(peer.make), ""))
+        else:
+            variants.append((peer_name, None, f"{peer.requires} not installed"))
+    if fused_ok:
+        variants.append((FUSED, plain(workload.build_fused_trainable), ""))
+    else:
+        variants.append((FUSED, None, f"fused_ops.nn.{workload.fused_name} not implemented"))
+    return variants
+
+
 def run_case(
-    workload: Workload, size: str, device: torch.device, min_run_time: float, use_compile: bool
+    workload: Workload,
+    size: str,
+    device: torch.device,
+    min_run_time: float,
+    use_compile: bool,
+    train: bool = False,
+    optimizer: str = "none",
 ) -> Dict[str, Any]:
-    """Time every variant of ``workload`` at ``size``; return the result row."""
+    """Time every variant of ``workload`` at ``size``; return the result row.
+
+    With ``train`` the variants are training steps (see the module
+    docstring) and the row's workload is named ``<name>_train``.
+    """
     params = workload.sizes[size]
-    label = f"{workload.name}/{size}"
+    name_ = workload.name + (TRAIN_SUFFIX if train else "")
+    label = f"{name_}/{size}"
     fused_ok = workload.fused_available()
     row: Dict[str, Any] = {
-        "workload": workload.name,
+        "workload": name_,
         "size": size,
         "shape": shape_label(params),
         "params": dict(params),
         "fused_available": fused_ok,
         "variants": {},
     }
+    if train:
+        row["mode"] = "train"
+        row["optimizer"] = optimizer
     print(f"[{label}] {row['shape']} on {device}", flush=True)
 
     try:
         torch.manual_seed(SEED)
-        reference = workload.make_reference(params).to(device).eval()
+        reference = workload.make_reference(params).to(device)
+        reference = reference.train() if train else reference.eval()
         inputs = tuple(t.to(device) for t in workload.make_inputs(params))
     except Exception as exc:  # noqa: BLE001
         row["error"] = f"{type(exc).__name__}: {exc}"
         print(f"    !! {label}: could not build the reference or inputs: {row['error']}", flush=True)
         return row
 
+    if train:
+        builders = train_variant_builders(workload, reference, device, use_compile, fused_ok, optimizer)
+        context: Any = contextlib.nullcontext()
+        check = {"check_first_call": optimizer != "none", "tolerance": (TRAIN_ATOL, TRAIN_RTOL)}
+    else:
+        builders = variant_builders(workload, reference, device, use_compile, fused_ok)
+        context = torch.no_grad()
+        check = {}
     expected: Optional[Tuple[torch.Tensor, ...]] = None
-    with torch.no_grad():
-        for name, build, skip_reason in variant_builders(workload, reference, device, use_compile, fused_ok):
+    with context:
+        for name, build, skip_reason in builders:
             if build is None:
                 row["variants"][name] = {"status": "skipped", "reason": skip_reason}
                 continue
-            result, outputs = measure_variant(name, build, inputs, device, expected, min_run_time, label)
+            result, outputs = measure_variant(name, build, inputs, device, expected, min_run_time, label, **check)
             if name == EAGER:
                 expected = outputs
             row["variants"][name] = result
@@ -484,7 +732,30 @@ def speedups(row: Dict[str, Any]) -> Dict[str, Optional[float]]:
 
 
 def add_targets(row: Dict[str, Any], workload: Workload) -> None:
-    """Attach the DESIGN.md section 7 target (CUDA runs only) to ``row``."""
+    """Attach the DESIGN.md section 7 target (CUDA runs only) to ``row``.
+
+    Training rows carry the workload's relative targets instead:
+    ``speedup_targets`` {baseline: minimum speed-up of the fused step},
+    ``meets_target`` (``None`` when a baseline was not timed) and
+    ``target_misses`` (the baselines whose target was missed or not timed).
+    """
+    if row.get("mode") == "train":
+        targets = workload.train_speedup_targets.get(row["size"])
+        if not targets or "speedup" not in row:
+            return
+        row["speedup_targets"] = dict(targets)
+        misses = []
+        unknown = False
+        for baseline, minimum in targets.items():
+            ratio = row["speedup"].get(baseline)
+            if ratio is None:
+                unknown = True
+                misses.append(f"{baseline} not timed")
+            elif ratio < minimum:
+                misses.append(f"{ratio:.2f}x {baseline}")
+        row["target_misses"] = misses
+        row["meets_target"] = None if unknown else not misses
+        return
     target = workload.targets_us.get(row["size"])
     if target is None:
         return
@@ -579,6 +850,11 @@ def collect_metadata(device: torch.device, args: argparse.Namespace, min_run_tim
         "seed": SEED,
         "argv": list(args.argv),
     }
+    if getattr(args, "train", False):
+        meta["mode"] = "train"
+        meta["optimizer"] = args.optimizer
+        meta["train_lr"] = TRAIN_LR
+        meta["tolerance"] = {"atol": TRAIN_ATOL, "rtol": TRAIN_RTOL}
     if device.type == "cuda":
         meta["device_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     return meta
@@ -638,7 +914,12 @@ def build_table(rows: Sequence[Dict[str, Any]], cuda: bool) -> Tuple[List[str], 
             for n in baselines:
                 ratio = row["speedup"].get(n)
                 line.append(f"{ratio:.2f}x" if ratio is not None else "-")
-        if cuda:
+        if cuda and "speedup_targets" in row:
+            line.append(", ".join(f">={v:g}x {k}" for k, v in row["speedup_targets"].items()))
+            met = row.get("meets_target")
+            misses = ", ".join(row["target_misses"])
+            line.append(f"n/a ({misses})" if met is None else "met" if met else f"missed ({misses})")
+        elif cuda:
             target = row.get("target_us")
             line.append(f"{target:g}" if target is not None else "-")
             over = row.get("fused_over_target")
@@ -666,8 +947,24 @@ def format_markdown(meta: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str
     commit = meta["git_commit"] or "unknown"
     if meta.get("git_dirty"):
         commit += " (uncommitted changes)"
+    train = meta.get("mode") == "train"
+    if train:
+        timing = (
+            f"- timing: back-to-back training steps (grads set to None, forward + loss, backward"
+            + ("" if meta.get("optimizer", "none") == "none" else f", {meta['optimizer']} step")
+            + f"), `blocked_autorange(min_run_time={meta['min_run_time_s']:g})`, after warm-up;"
+            " `compile*` compile forward + loss (backward compiled by AOTAutograd); `fused` is eager"
+            " (no CUDA graph)"
+        )
+        checked = f"first-step loss and parameter gradients checked against eager with atol = rtol = {TRAIN_ATOL:g}"
+    else:
+        timing = (
+            f"- timing: back-to-back calls, `blocked_autorange(min_run_time={meta['min_run_time_s']:g})`,"
+            " under `torch.no_grad()`, after warm-up; `fused` is an eager call (no CUDA graph)"
+        )
+        checked = f"outputs checked against eager with atol = rtol = {ATOL:g}"
     lines = [
-        f"# fused_ops benchmark: {meta['device']}",
+        f"# fused_ops {'training-step ' if train else ''}benchmark: {meta['device']}",
         "",
         f"- device: {meta['device']} ({meta['device_type']}"
         + (f", compute capability {meta['device_capability']}" if "device_capability" in meta else "")
@@ -678,15 +975,17 @@ def format_markdown(meta: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str
         f"- CPU threads: {meta['num_threads']} of {meta['cpu_count']} cores; load average at start: "
         + (f"{meta['load_avg_1m']:.2f}" if meta["load_avg_1m"] is not None else "n/a")
         + f"; float32 matmul precision: {meta['float32_matmul_precision']}",
-        f"- timing: back-to-back calls, `blocked_autorange(min_run_time={meta['min_run_time_s']:g})`,"
-        " under `torch.no_grad()`, after warm-up; `fused` is an eager call (no CUDA graph)",
-        f"- {TABLE_LEGEND}; outputs checked against eager with atol = rtol = {ATOL:g}",
+        timing,
+        f"- {TABLE_LEGEND}; {checked}",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join("---" if i < 3 else "---:" for i in range(len(headers))) + "|",
     ]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
-    if meta["device_type"] == "cuda":
+    if meta["device_type"] == "cuda" and train:
+        lines += ["", "Targets: issue 5 (H200), minimum speed-up of the fused training step over the named "
+                  "baseline (VAE rows only)."]
+    elif meta["device_type"] == "cuda":
         lines += ["", "Targets: DESIGN.md section 7 (H200)."]
     notes = []
     for row in rows:
@@ -703,9 +1002,10 @@ def format_markdown(meta: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str
 
 
 def write_outputs(meta: Dict[str, Any], rows: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
-    """Write ``<slug>.json``, ``<slug>.md`` and (with matplotlib) ``<slug>.png``."""
+    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib) ``<stem>.png``;
+    ``<stem>`` is the device slug, plus ``-train`` for training rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / meta["device_slug"]
+    stem = out_dir / (meta["device_slug"] + ("-train" if meta.get("mode") == "train" else ""))
     data = {"metadata": meta, "results": rows}
     written = []
     json_path = stem.with_suffix(".json")
@@ -757,9 +1057,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="skip the torch.compile variants (quick checks)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny minimum run time ({QUICK_MIN_RUN_TIME:g} s) for smoke tests")
+    parser.add_argument("--train", action="store_true",
+                        help="time training steps (forward + loss + backward [+ optimizer step]) instead "
+                             "of forward calls: rows <workload>_train, written to <slug>-train.*")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="none",
+                        help="with --train: optimizer step included in the training step (default: none, "
+                             "i.e. forward + backward)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.ops is not None:
+        # Accept the training rows' names: "vae_train" is "vae" with --train.
+        names = [n.strip() for n in args.ops.split(",") if n.strip()]
+        if any(n.endswith(TRAIN_SUFFIX) for n in names):
+            if not all(n.endswith(TRAIN_SUFFIX) for n in names):
+                parser.error("--ops: do not mix training rows (*_train) and forward rows in one run")
+            args.train = True
+            args.ops = ",".join(n[: -len(TRAIN_SUFFIX)] for n in names)
+    if args.optimizer != "none" and not args.train:
+        parser.error("--optimizer needs --train")
     return args
 
 
@@ -812,6 +1128,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"(skipping {', '.join(skipped)}: no fused implementation yet; name them in --ops "
               "to time the baselines)", flush=True)
 
+    if args.train:
+        no_train = [w.name for w in workloads if w.train_loss is None]
+        workloads = [w for w in workloads if w.train_loss is not None]
+        if no_train:
+            print(f"(skipping {', '.join(no_train)}: no training step defined)", flush=True)
     meta = collect_metadata(device, args, min_run_time)
     print(f"device: {meta['device']} | torch {meta['torch_version']} (CUDA {meta['cuda_version']}) | "
           f"threads {meta['num_threads']} | min_run_time {min_run_time:g}s", flush=True)
@@ -822,7 +1143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for workload in workloads:
         for size in sizes:
-            row = run_case(workload, size, device, min_run_time, use_compile=not args.no_compile)
+            row = run_case(workload, size, device, min_run_time, use_compile=not args.no_compile,
+                           train=args.train, optimizer=args.optimizer)
             if device.type == "cuda":
                 add_targets(row, workload)
             rows.append(row)

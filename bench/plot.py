@@ -106,14 +106,18 @@ def plot_results(data: Dict[str, Any], path: Path) -> None:
         ax.set_ylim(10 ** math.floor(math.log10(min(all_ys))), max(all_ys) * 6)
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-    ax.set_ylabel("microseconds per call (median, log scale)")
+    train = meta.get("mode") == "train"
+    ax.set_ylabel(f"microseconds per {'training step' if train else 'call'} (median, log scale)")
     ax.set_xticks(range(n_groups))
     ax.set_xticklabels([f"{r['workload']}\n{r['size']}\n{r['shape']}" for r in rows], fontsize=7)
     ax.set_xlim(-0.6, n_groups - 0.4)
     ax.grid(axis="y", which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title(
-        f"fused_ops on {meta['device']} | torch {meta['torch_version']}"
+        ("fused_ops train step (fwd+bwd" + ("" if meta.get("optimizer", "none") == "none"
+                                             else f"+{meta['optimizer']}") + ")" if train
+         else "fused_ops")
+        + f" on {meta['device']} | torch {meta['torch_version']}"
         + (f", CUDA {meta['cuda_version']}" if meta.get("device_type") == "cuda" else "")
         + f" | {meta['date_utc'][:10]}",
         fontsize=9,
