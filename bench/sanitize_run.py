@@ -55,17 +55,22 @@ FLOW_CASES = [
 ]
 
 
+def flow_inputs(b, d, h, dtype):
+    """x0, w1, b1, w2, b2, w3, b3 of a flow problem, weights at nn.Linear's scale."""
+    opts = dict(device="cuda", dtype=dtype)
+    x0 = torch.randn(b, d, **opts)
+    w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
+    w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
+    w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
+    b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
+    return x0, w1, b1, w2, b2, w3, b3
+
+
 def run_flow():
     torch.manual_seed(0)
     failures = 0
     for b, d, h, steps, dtype in FLOW_CASES:
-        opts = dict(device="cuda", dtype=dtype)
-        x0 = torch.randn(b, d, **opts)
-        w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
-        w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
-        w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
-        b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
-        args = (x0, w1, b1, w2, b2, w3, b3)
+        args = flow_inputs(b, d, h, dtype)
         got = fused_ops.flow_euler(*args, steps)
         want = reference.flow_euler(*args, steps)
         ok = torch.allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -178,14 +183,8 @@ def run_flow_backward():
     torch.manual_seed(0)
     failures = 0
     for b, d, h, steps, dtype in FLOW_BACKWARD_CASES:
-        opts = dict(device="cuda", dtype=dtype)
-        x0 = torch.randn(b, d, **opts)
-        w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
-        w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
-        w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
-        b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
-        args = [t.requires_grad_() for t in (x0, w1, b1, w2, b2, w3, b3)]
-        upstream = torch.randn(b, d, **opts)
+        args = [t.requires_grad_() for t in flow_inputs(b, d, h, dtype)]
+        upstream = torch.randn(b, d, device="cuda", dtype=dtype)
         got = torch.autograd.grad(fused_ops.flow_euler(*args, steps), args, upstream)
         want = torch.autograd.grad(reference.flow_euler(*args, steps), args, upstream)
         ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))

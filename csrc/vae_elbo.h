@@ -72,16 +72,16 @@ inline VaeElboSizes check_vae_elbo_args(const Tensor& x, const Tensor& eps,
 
 using VaeElboResult = std::tuple<Tensor, Tensor, Tensor>;
 
-// One call's checked sizes, contiguous inputs and freshly allocated outputs.
-struct VaeElboCall {
+// One call's checked sizes and contiguous inputs: what the forward and the
+// backward wrappers (vae_elbo_backward.h) both start from.
+struct VaeElboInputs {
   int64_t B, I, H, L;
   Tensor x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2;
-  Tensor elbo, recon, kl;
 
-  VaeElboCall(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_,
-              const Tensor& b_enc_, const Tensor& w_mu_, const Tensor& b_mu_,
-              const Tensor& w_logvar_, const Tensor& b_logvar_, const Tensor& w_dec1_,
-              const Tensor& b_dec1_, const Tensor& w_dec2_, const Tensor& b_dec2_) {
+  VaeElboInputs(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_, const Tensor& b_enc_,
+                const Tensor& w_mu_, const Tensor& b_mu_, const Tensor& w_logvar_,
+                const Tensor& b_logvar_, const Tensor& w_dec1_, const Tensor& b_dec1_,
+                const Tensor& w_dec2_, const Tensor& b_dec2_) {
     const auto s = check_vae_elbo_args(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_,
                                        b_logvar_, w_dec1_, b_dec1_, w_dec2_, b_dec2_);
     B = s.B, I = s.I, H = s.H, L = s.L;
@@ -97,6 +97,19 @@ struct VaeElboCall {
     b_dec1 = as_contiguous(b_dec1_);
     w_dec2 = as_contiguous(w_dec2_);
     b_dec2 = as_contiguous(b_dec2_);
+  }
+};
+
+// One forward call: the inputs plus freshly allocated outputs.
+struct VaeElboCall : VaeElboInputs {
+  Tensor elbo, recon, kl;
+
+  VaeElboCall(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_, const Tensor& b_enc_,
+              const Tensor& w_mu_, const Tensor& b_mu_, const Tensor& w_logvar_,
+              const Tensor& b_logvar_, const Tensor& w_dec1_, const Tensor& b_dec1_,
+              const Tensor& w_dec2_, const Tensor& b_dec2_)
+      : VaeElboInputs(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_, b_logvar_, w_dec1_,
+                      b_dec1_, w_dec2_, b_dec2_) {
     elbo = empty_like_device(x_, {B});
     recon = empty_like_device(x_, {B});
     kl = empty_like_device(x_, {B});

@@ -18,12 +18,10 @@ namespace fused_ops {
 using VaeElboBackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                          Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// One backward call's checked sizes, contiguous inputs, contiguous upstream
-// gradients (nullopt where None) and freshly allocated gradient outputs.
-struct VaeElboBackwardCall {
-  int64_t B, I, H, L;
+// One backward call: the forward's checked, contiguous inputs, contiguous
+// upstream gradients (nullopt where None) and freshly allocated gradient outputs.
+struct VaeElboBackwardCall : VaeElboInputs {
   std::optional<Tensor> g_elbo, g_recon, g_kl;
-  Tensor x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2;
   Tensor gx, geps, gw_enc, gb_enc, gw_mu, gb_mu, gw_logvar, gb_logvar, gw_dec1, gb_dec1, gw_dec2,
       gb_dec2;
 
@@ -33,10 +31,9 @@ struct VaeElboBackwardCall {
                       const Tensor& w_enc_, const Tensor& b_enc_, const Tensor& w_mu_,
                       const Tensor& b_mu_, const Tensor& w_logvar_, const Tensor& b_logvar_,
                       const Tensor& w_dec1_, const Tensor& b_dec1_, const Tensor& w_dec2_,
-                      const Tensor& b_dec2_) {
-    const auto s = check_vae_elbo_args(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_,
-                                       b_logvar_, w_dec1_, b_dec1_, w_dec2_, b_dec2_);
-    B = s.B, I = s.I, H = s.H, L = s.L;
+                      const Tensor& b_dec2_)
+      : VaeElboInputs(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_, b_logvar_, w_dec1_,
+                      b_dec1_, w_dec2_, b_dec2_) {
     auto grad = [&](const std::optional<Tensor>& g, const char* name) -> std::optional<Tensor> {
       if (!g.has_value()) return std::nullopt;
       check_rank(*g, name, 1, "[B]");
@@ -47,18 +44,6 @@ struct VaeElboBackwardCall {
     g_elbo = grad(grad_elbo, "grad_elbo");
     g_recon = grad(grad_recon, "grad_recon");
     g_kl = grad(grad_kl, "grad_kl");
-    x = as_contiguous(x_);
-    eps = as_contiguous(eps_);
-    w_enc = as_contiguous(w_enc_);
-    b_enc = as_contiguous(b_enc_);
-    w_mu = as_contiguous(w_mu_);
-    b_mu = as_contiguous(b_mu_);
-    w_logvar = as_contiguous(w_logvar_);
-    b_logvar = as_contiguous(b_logvar_);
-    w_dec1 = as_contiguous(w_dec1_);
-    b_dec1 = as_contiguous(b_dec1_);
-    w_dec2 = as_contiguous(w_dec2_);
-    b_dec2 = as_contiguous(b_dec2_);
     gx = empty_like_device(x_, {B, I});
     geps = empty_like_device(x_, {B, L});
     gw_enc = empty_like_device(x_, {H, I});
