@@ -120,10 +120,29 @@ UPSTREAMS = [
 ]
 
 
+def clear_of_relu_kinks(make, margin=2e-5, tries=100):
+    """Inputs from make() whose ReLU pre-activations (encoder and decoder
+    hidden layer) all lie at least `margin` from 0 in the float32 reference.
+
+    Near a kink, float32 rounding decides which side a pre-activation falls
+    on, and the two sides' gradients differ by O(1) for that unit and row: no
+    two summation orders can be compared there.  At 128 x 256 units a random
+    draw has one within 1e-6 of 0 about 6% of the time (measured), so the
+    float32 comparisons redraw until every unit is clear (~3 draws)."""
+    for _ in range(tries):
+        args = make()
+        with torch.no_grad():
+            pre_enc = torch.nn.functional.linear(args[0], args[2], args[3])
+            pre_dec = torch.nn.functional.linear(reference_outputs_z(args), args[8], args[9])
+        if min(pre_enc.abs().min().item(), pre_dec.abs().min().item()) > margin:
+            return args
+    raise AssertionError(f"no draw in {tries} kept every ReLU input {margin} away from 0")
+
+
 @pytest.mark.parametrize("B,I,H,L", F32_CASES)
 @pytest.mark.parametrize("used", UPSTREAMS)
 def test_float32_matches_reference_autograd(B, I, H, L, used, device):
-    args = make_inputs(B, I, H, L, device=device, requires_grad=True)
+    args = clear_of_relu_kinks(lambda: make_inputs(B, I, H, L, device=device, requires_grad=True))
     up = {n: torch.randn(B, device=device) for n in used}
     assert_grads_close(grads(fused, args, up), grads(reference_outputs, args, up))
 
@@ -131,7 +150,8 @@ def test_float32_matches_reference_autograd(B, I, H, L, used, device):
 @pytest.mark.parametrize("B,I,H,L", F32_CASES)
 @pytest.mark.parametrize("used", UPSTREAMS)
 def test_float32_saturated_matches_reference_autograd(B, I, H, L, used, device):
-    args = saturate(make_inputs(B, I, H, L, device=device, requires_grad=True))
+    args = clear_of_relu_kinks(
+        lambda: saturate(make_inputs(B, I, H, L, device=device, requires_grad=True)))
     with torch.no_grad():
         p = torch.sigmoid(torch.nn.functional.linear(
             torch.relu(torch.nn.functional.linear(
