@@ -492,6 +492,19 @@ def warn_mismatch(label: str, variant: str, detail: str) -> None:
 # ----------------------------------------------------------------------------
 
 
+def compile_variants(
+    compiled: Callable[..., Callable[[], Callable]], device: torch.device, use_compile: bool
+) -> List[Tuple[str, Optional[Callable[[], Callable]], str]]:
+    """The ``compile`` and ``compile_ro`` entries of a variant list, built by
+    ``compiled(**torch_compile_kwargs)``; reduce-overhead (CUDA graphs) is
+    CUDA only."""
+    if not use_compile:
+        return [(COMPILE, None, "disabled by --no-compile"), (COMPILE_RO, None, "disabled by --no-compile")]
+    if device.type != "cuda":
+        return [(COMPILE, compiled(), ""), (COMPILE_RO, None, "CUDA only")]
+    return [(COMPILE, compiled(), ""), (COMPILE_RO, compiled(mode="reduce-overhead"), "")]
+
+
 def variant_builders(
     workload: Workload, reference: torch.nn.Module, device: torch.device, use_compile: bool, fused_ok: bool
 ) -> List[Tuple[str, Optional[Callable[[], Callable]], str]]:
@@ -510,15 +523,7 @@ def variant_builders(
         return build
 
     variants: List[Tuple[str, Optional[Callable[[], Callable]], str]] = [(EAGER, lambda: reference, "")]
-    if not use_compile:
-        variants.append((COMPILE, None, "disabled by --no-compile"))
-        variants.append((COMPILE_RO, None, "disabled by --no-compile"))
-    else:
-        variants.append((COMPILE, compiled(), ""))
-        if device.type == "cuda":
-            variants.append((COMPILE_RO, compiled(mode="reduce-overhead"), ""))
-        else:
-            variants.append((COMPILE_RO, None, "CUDA only"))
+    variants += compile_variants(compiled, device, use_compile)
     for peer_name, peer in workload.peers.items():
         if peer.available():
             variants.append((peer_name, (lambda p=peer: p.make(reference)), ""))
@@ -621,15 +626,7 @@ def train_variant_builders(
         return build
 
     variants: List[Tuple[str, Optional[Callable[[], Callable]], str]] = [(EAGER, plain(lambda m: m), "")]
-    if not use_compile:
-        variants.append((COMPILE, None, "disabled by --no-compile"))
-        variants.append((COMPILE_RO, None, "disabled by --no-compile"))
-    else:
-        variants.append((COMPILE, compiled(), ""))
-        if device.type == "cuda":
-            variants.append((COMPILE_RO, compiled(mode="reduce-overhead"), ""))
-        else:
-            variants.append((COMPILE_RO, None, "CUDA only"))
+    variants += compile_variants(compiled, device, use_compile)
     for peer_name, peer in workload.peers.items():
         if peer.available():
             variants.append((peer_name, plain(peer.make), ""))
