@@ -11,6 +11,23 @@ from torch import Tensor
 __all__ = ["importance_sampling", "flow_euler", "flow_euler_backward"]
 
 
+def _forbid_double_backward(name, reference):
+    """Registers autograd for ``fused_ops::<name>_backward`` that raises: the
+    fused backward ops are not themselves differentiable, and a clear error
+    beats a silently wrong second derivative."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"fused_ops.{name} does not support double backward: double backward through its "
+            f"fused backward (fused_ops::{name}_backward; e.g. create_graph=True followed by "
+            f"another backward) is not supported; use {reference} for higher-order derivatives"
+        )
+
+    torch.library.register_autograd(
+        f"fused_ops::{name}_backward", backward, setup_context=lambda ctx, inputs, output: None
+    )
+
+
 # ---------------------------------------------------------------------------
 # importance_sampling
 # ---------------------------------------------------------------------------
@@ -126,24 +143,7 @@ def _importance_sampling_backward_fake(
     return tuple(t.new_empty(t.shape) for t in (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
 
 
-def _importance_sampling_backward_setup_context(ctx, inputs, output):
-    pass
-
-
-def _importance_sampling_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_ops.importance_sampling does not support double backward: its fused backward "
-        "(fused_ops::importance_sampling_backward) is not differentiable. Differentiate "
-        "fused_ops.reference.importance_sampling instead for higher-order gradients "
-        "(e.g. create_graph=True, gradient penalties, Hessian-vector products)."
-    )
-
-
-torch.library.register_autograd(
-    "fused_ops::importance_sampling_backward",
-    _importance_sampling_double_backward,
-    setup_context=_importance_sampling_backward_setup_context,
-)
+_forbid_double_backward("importance_sampling", "fused_ops.reference.importance_sampling")
 
 
 torch.library.register_autograd(
@@ -272,19 +272,7 @@ def _flow_euler_backward_fake(grad_x, x0, w1, b1, w2, b2, w3, b3, num_steps):
     return tuple(t.new_empty(t.shape) for t in (x0, w1, b1, w2, b2, w3, b3))
 
 
-def _flow_euler_backward_no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_ops.flow_euler: double backward (differentiating its gradients, e.g. "
-        "autograd.grad(..., create_graph=True) followed by another backward) is not supported; "
-        "use fused_ops.reference.flow_euler for higher-order derivatives"
-    )
-
-
-torch.library.register_autograd(
-    "fused_ops::flow_euler_backward",
-    _flow_euler_backward_no_double_backward,
-    setup_context=lambda ctx, inputs, output: None,
-)
+_forbid_double_backward("flow_euler", "fused_ops.reference.flow_euler")
 
 
 def _flow_euler_backward(ctx, grad_x):
@@ -420,22 +408,7 @@ def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs):
     return tuple(t.new_empty(t.shape) for t in inputs)
 
 
-def _vae_elbo_backward_setup_context(ctx, inputs, output):
-    pass
-
-
-def _vae_elbo_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_ops.vae_elbo does not support double backward (a gradient of its gradients, "
-        "e.g. create_graph=True followed by another backward); use fused_ops.reference.VAE"
-    )
-
-
 torch.library.register_autograd(
     "fused_ops::vae_elbo", _vae_elbo_backward, setup_context=_vae_elbo_setup_context
 )
-torch.library.register_autograd(
-    "fused_ops::vae_elbo_backward",
-    _vae_elbo_double_backward,
-    setup_context=_vae_elbo_backward_setup_context,
-)
+_forbid_double_backward("vae_elbo", "fused_ops.reference.VAE")
