@@ -24,8 +24,8 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "importance_sampling_backward(Tensor? grad_weighted_mean, Tensor? grad_ess, "
       "Tensor? grad_log_weights, Tensor samples, Tensor mix_weights, Tensor mix_mus, "
-      "Tensor mix_stds, Tensor q_mu, Tensor q_std, Tensor weighted_mean, Tensor ess, "
-      "Tensor log_weights) -> (Tensor grad_samples, Tensor grad_mix_weights, Tensor grad_mix_mus, "
+      "Tensor mix_stds, Tensor q_mu, Tensor q_std, Tensor weighted_mean, Tensor log_weights) "
+      "-> (Tensor grad_samples, Tensor grad_mix_weights, Tensor grad_mix_mus, "
       "Tensor grad_mix_stds, Tensor grad_q_mu, Tensor grad_q_std)");
   m.def(
       "flow_euler(Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor w3, Tensor b3, "

@@ -86,7 +86,7 @@ struct ImportanceSamplingBackwardCall {
   int64_t N, D, K;
   std::optional<Tensor> grad_mean, grad_ess, grad_lw;
   Tensor x, mix_weights, mix_mus, mix_stds, q_mu, q_std;
-  Tensor weighted_mean, ess, log_weights;
+  Tensor weighted_mean, log_weights;
   Tensor grad_x, grad_mix_weights, grad_mix_mus, grad_mix_stds, grad_q_mu, grad_q_std;
 
   ImportanceSamplingBackwardCall(const std::optional<Tensor>& grad_weighted_mean,
@@ -95,19 +95,16 @@ struct ImportanceSamplingBackwardCall {
                                  const Tensor& samples, const Tensor& mix_weights_,
                                  const Tensor& mix_mus_, const Tensor& mix_stds_,
                                  const Tensor& q_mu_, const Tensor& q_std_,
-                                 const Tensor& weighted_mean_, const Tensor& ess_,
-                                 const Tensor& log_weights_) {
+                                 const Tensor& weighted_mean_, const Tensor& log_weights_) {
     const auto sizes =
         check_importance_sampling_args(samples, mix_weights_, mix_mus_, mix_stds_, q_mu_, q_std_);
     N = sizes.N, D = sizes.D, K = sizes.K;
     check_rank(weighted_mean_, "weighted_mean", 1, "[D]");
     check_size(weighted_mean_, "weighted_mean", 0, D, "D, the sample dimension of samples");
-    check_rank(ess_, "ess", 0, "[]");
     check_rank(log_weights_, "log_weights", 1, "[N]");
     check_size(log_weights_, "log_weights", 0, N, "N, the number of samples");
     check_same_float_dtype_and_device({{samples, "samples"},
                                        {weighted_mean_, "weighted_mean"},
-                                       {ess_, "ess"},
                                        {log_weights_, "log_weights"}});
     if (grad_weighted_mean) {
       check_rank(*grad_weighted_mean, "grad_weighted_mean", 1, "[D]");
@@ -133,7 +130,6 @@ struct ImportanceSamplingBackwardCall {
     q_mu = as_contiguous(q_mu_);
     q_std = as_contiguous(q_std_);
     weighted_mean = as_contiguous(weighted_mean_);
-    ess = as_contiguous(ess_);
     log_weights = as_contiguous(log_weights_);
     grad_x = empty_like_device(samples, {N, D});
     grad_mix_weights = empty_like_device(samples, {K});

@@ -78,11 +78,12 @@ def _importance_sampling_fake(samples, mix_weights, mix_mus, mix_stds, q_mu, q_s
 
 
 def _importance_sampling_setup_context(ctx, inputs, output):
-    # The inputs and the outputs (weighted_mean [D], ess [], normalised
-    # log_weights [N]): O(N + D) beyond the inputs.  The responsibilities
-    # [N, K] are recomputed by the backward kernel, never stored.
-    weighted_mean, ess, log_weights = output
-    ctx.save_for_backward(*inputs, weighted_mean, ess, log_weights)
+    # The inputs and two outputs (weighted_mean [D], normalised log_weights
+    # [N]): O(N + D) beyond the inputs.  The responsibilities [N, K] are
+    # recomputed by the backward kernel, never stored; so is ess (from
+    # log_weights, see importance_sampling_backward).
+    weighted_mean, _, log_weights = output
+    ctx.save_for_backward(*inputs, weighted_mean, log_weights)
 
 
 def _importance_sampling_backward(ctx, grad_mean, grad_ess, grad_log_weights):
@@ -94,13 +95,13 @@ def _importance_sampling_backward(ctx, grad_mean, grad_ess, grad_log_weights):
 def importance_sampling_backward(
     grad_weighted_mean, grad_ess, grad_log_weights,
     samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
-    weighted_mean, ess, log_weights,
+    weighted_mean, log_weights,
 ):
     r"""Fused backward of :func:`importance_sampling` (what autograd calls).
 
     Takes the upstream gradients of ``weighted_mean [D]``, ``ess []`` and
     ``log_weights [N]`` (any of them may be ``None``: zero), the forward's
-    inputs and its outputs; returns the gradients of ``(samples, mix_weights,
+    inputs and its outputs ``weighted_mean`` and ``log_weights``; returns the gradients of ``(samples, mix_weights,
     mix_mus, mix_stds, q_mu, q_std)``, contiguous, with the inputs' shapes.
 
     Math, with ``w = exp(log_weights)``, ``lw = log_p - log_q`` the
@@ -108,7 +109,7 @@ def importance_sampling_backward(
     ``r[i,k] = softmax_k(log_comp[i,k] + log mix_weights[k])`` (recomputed in
     the kernel, not stored)::
 
-        g[i] = dL/dlw[i] = gL[i] - w[i]*sum(gL) + w[i]*(x[i]-mean).gM + gE*2*ess*w[i]*(1-ess*w[i])
+        g[i] = dL/dlw[i] = gL[i] - w[i]*sum(gL) + w[i]*(x[i]-mean).gM + gE*2*w[i]*(S-w[i])/S**2
         z[i,k,d] = (x[i,d]-mix_mus[k,d])/mix_stds[k,d];   zq[i,d] = (x[i,d]-q_mu[d])/q_std[d]
         grad_samples[i,d]  = g[i]*zq[i,d]/q_std[d] - sum_k g[i]*r[i,k]*z[i,k,d]/mix_stds[k,d] + w[i]*gM[d]
         grad_mix_mus[k,d]  = sum_i g[i]*r[i,k]*z[i,k,d] / mix_stds[k,d]
@@ -116,6 +117,11 @@ def importance_sampling_backward(
         grad_mix_weights[k] = sum_i g[i]*r[i,k] / mix_weights[k]
         grad_q_mu[d]  = -sum_i g[i]*zq[i,d] / q_std[d]
         grad_q_std[d] = -sum_i g[i]*(zq[i,d]**2 - 1) / q_std[d]
+
+    with ``S = sum_j w[j]**2 = 1/ess``.  Near a dominant sample ``S - w[i]``
+    cancels, so the ESS term is evaluated in double with ``S`` recomputed
+    from ``log_weights`` (renormalised) rather than taken from the separately
+    rounded forward output ``ess``, which is why ``ess`` is not an argument.
 
     CPU: two passes over fixed chunks of samples (sum of gL, then the
     per-sample work and chunk partials), merged in chunk order, in double.
@@ -129,7 +135,7 @@ def importance_sampling_backward(
     return torch.ops.fused_ops.importance_sampling_backward.default(
         grad_weighted_mean, grad_ess, grad_log_weights,
         samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
-        weighted_mean, ess, log_weights,
+        weighted_mean, log_weights,
     )
 
 
@@ -137,7 +143,7 @@ def importance_sampling_backward(
 def _importance_sampling_backward_fake(
     grad_weighted_mean, grad_ess, grad_log_weights,
     samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
-    weighted_mean, ess, log_weights,
+    weighted_mean, log_weights,
 ):
     torch._check(samples.dim() == 2, lambda: f"samples must be a 2-D tensor [N, D], got {samples.shape}")
     return tuple(t.new_empty(t.shape) for t in (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))

@@ -37,13 +37,14 @@ def fused(*args):
 
 def backward_args(N, D, K, dtype, device, grads=(True, True, True)):
     """Arguments of the backward op: upstream gradients (None where not in
-    `grads`), the forward's inputs and its outputs."""
+    `grads`), the forward's inputs and its outputs weighted_mean and
+    log_weights (the op recomputes ess from log_weights)."""
     args = make_inputs(N, D, K, dtype=dtype, device=device)
-    mean, ess, lw = fused(*args)
+    mean, _, lw = fused(*args)
     opts = dict(dtype=dtype, device=device)
     ups = (torch.randn(D, **opts), torch.randn((), **opts), torch.randn(N, **opts))
     ups = tuple(u if g else None for u, g in zip(ups, grads))
-    return (*ups, *args, mean, ess, lw)
+    return (*ups, *args, mean, lw)
 
 
 # ---------------------------------------------------------------------------
@@ -136,15 +137,17 @@ def test_grad_float32_vs_reference(N, D, K, outputs, device):
     # input), and agrees with the float32 reference within rtol 1e-3 and
     # 5e-4 of that scale plus (3x) the reference's own error.
     #
-    # KNOWN DEFECT (open in issue 5): with the ESS gradient alone and very
-    # peaked weights (N=333, D=33, K=7: ESS ~ 1-2) the fused gradient has been
-    # measured up to 1.75e-2 of the gradient scale beyond twice the reference's
-    # error (60 seeds).  Its formula 2 ess w_i (1 - ess w_i) cancels near the
-    # dominant sample, and the backward takes `ess` and `log_weights` from two
-    # separately rounded forward outputs, so 1 - ess w_i is not consistent;
-    # recomputing ess from log_weights in the backward is the planned fix.
-    # Until then that one case gets a documented 5e-2 slack.
-    slack = 5e-2 if outputs == (1,) else 3e-4
+    # With the ESS gradient alone and very peaked weights (N=333, D=33, K=7:
+    # ESS often within 1e-5 of 1) the whole gradient can be far below float32
+    # resolution: once float32 rounds the dominant weight to 1, d ess / d lw
+    # ~ 1 - w is lost to rounding (one ulp of w moves ess by ~1e-7), and the
+    # largest float64 gradient element can be 1e-14.  So errors below
+    # 1e-6 |dL/d ess| count as float32 noise.  (An earlier backward combined
+    # the separately rounded forward outputs ess and log_weights and missed
+    # by up to 0.4 of the gradient scale in 11 of 400 such draws; it now
+    # recomputes ess from log_weights.)
+    noise = 1e-6 * abs(c[1].item()) if 1 in outputs else 0.0
+    slack = 3e-4
     args64 = [a.detach().double().requires_grad_() for a in args]
     g_64 = grads_of(reference.importance_sampling, args64, [t.double() for t in c], outputs)
     gscale = max(e.abs().max().item() for e in g_64)
@@ -153,22 +156,26 @@ def test_grad_float32_vs_reference(N, D, K, outputs, device):
         assert torch.isfinite(a).all(), name
         err_fused = (a.double() - e).abs().max().item()
         err_ref = (b.double() - e).abs().max().item()
-        assert err_fused <= 2 * err_ref + slack * gscale, (name, err_fused, err_ref, gscale)
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=max(5e-4, slack) * gscale + 3 * err_ref,
+        assert err_fused <= 2 * err_ref + slack * gscale + noise, (name, err_fused, err_ref, gscale)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=5e-4 * gscale + 3 * err_ref + noise,
                                    msg=lambda m, n=name: f"grad {n} vs float32 reference: {m}")
 
 
+@pytest.mark.parametrize("grads", [(True, True, True), (False, True, False)], ids=["all", "ess-only"])
 @pytest.mark.parametrize("N,D,K", [(4096, 16, 3), (333, 33, 7)])
-def test_backward_op_float32_accuracy(N, D, K, device):
+def test_backward_op_float32_accuracy(N, D, K, grads, device):
     # The backward op alone: given the float64 forward outputs rounded to
     # float32, its float32 gradients are within float32 rounding of the
-    # float64 backward (no forward error involved).
+    # float64 backward (no forward error involved).  N=333, D=33, K=7 has
+    # very peaked weights (ESS ~ 1-2), where the ESS term 2 w (S - w) / S^2
+    # cancels at the dominant sample.
     args = make_inputs(N, D, K, dtype=torch.float64, device=device)
-    out = fused_ops.importance_sampling(*args)
+    mean, _, lw = fused_ops.importance_sampling(*args)
     opts = dict(dtype=torch.float64, device=device)
     ups = (torch.randn(D, **opts), torch.randn((), **opts), torch.randn(N, **opts) / N**0.5)
-    want = BWD(*ups, *args, *out)
-    got = BWD(*(t.float() for t in (*ups, *args, *out)))
+    ups = tuple(u if g else None for u, g in zip(ups, grads))
+    want = BWD(*ups, *args, mean, lw)
+    got = BWD(*(None if t is None else t.float() for t in (*ups, *args, mean, lw)))
     gscale = max(w.abs().max().item() for w in want)
     for name, g, w in zip(ARG_NAMES, got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5 * gscale, msg=lambda m, n=name: f"{n}: {m}")
@@ -271,7 +278,7 @@ def test_backward_deterministic_across_thread_counts():
         (2, lambda a: a[2][:-1], r"grad_log_weights\.shape\[0\] must be"),
         (2, lambda a: a[2].double(), r"grad_log_weights must have the same dtype as samples"),
         (9, lambda a: a[9][None], r"weighted_mean must be a 1-D tensor"),
-        (11, lambda a: a[11][:-1], r"log_weights\.shape\[0\] must be"),
+        (10, lambda a: a[10][:-1], r"log_weights\.shape\[0\] must be"),
         (3, lambda a: a[3][:, :-1], r"mix_mus\.shape\[1\] must be"),
     ],
     ids=["grad_mean-size", "grad_ess-rank", "grad_lw-size", "grad_lw-dtype", "mean-rank", "lw-size", "samples-D"],

@@ -5,7 +5,7 @@
 // gradients (gM [D], gE [], gL [N]; absent ones are zero) give
 //
 //   g_i = dL/dlw_i = gL_i - w_i * sum_j gL_j + w_i * (x_i - mean) . gM
-//                    + gE * 2 ess w_i (1 - ess w_i)
+//                    + gE * 2 w_i (S - w_i) / S^2,   S = sum_j w_j^2 = 1 / ess
 //
 // and, with responsibilities r_ik = softmax_k(log w_k + log N_k(x_i)) (recomputed
 // here, never stored), z_ikd = (x_id - mu_kd) / std_kd, zq_id = (x_id - q_mu_d) / q_std_d:
@@ -20,7 +20,7 @@
 // Two passes over the samples, both cut into fixed chunks (a function of N
 // only, never of the thread count) whose partials are merged in chunk order,
 // so results are bitwise the same for any number of threads: first the chunk
-// sums of gL, then the per-sample work and the chunk sums of the parameter
+// sums of gL, w and w^2, then the per-sample work and the chunk sums of the parameter
 // gradients.  Per-sample arithmetic and all sums run in double.
 
 #include <torch/csrc/stable/library.h>
@@ -44,7 +44,6 @@ struct BackwardArgs {
   const T* x;          // [N, D]
   const T* mix_weights;
   const T* mean;       // [D] forward output
-  T ess;               // forward output
   const T* log_weights;  // [N] forward output (normalised)
   int64_t N, D, K;
   T* grad_x;  // [N, D]
@@ -76,27 +75,47 @@ void importance_sampling_backward_kernel(const BackwardArgs<T>& a, const T* mix_
     mean[d] = a.mean[d];
     if (a.grad_mean) gM[d] = a.grad_mean[d];
   }
-  const acc_t ess = a.ess;
   const acc_t gE = a.grad_ess ? acc_t(*a.grad_ess) : 0.0;
 
   // Fixed chunks: at least 256 samples, at most 64 chunks (bounds the partials).
   const int64_t chunk = std::max<int64_t>(256, (N + 63) / 64);
   const int64_t num_chunks = (N + chunk - 1) / chunk;
 
-  // Pass 1: c = sum_i gL_i.
-  acc_t c = 0;
-  if (a.grad_lw) {
-    std::vector<acc_t> sums(num_chunks);
+  // Pass 1: c = sum_i gL_i and, for the ESS gradient, sum_i w_i and sum_i w_i^2.
+  acc_t c = 0, sum_w = 0, sum_w2 = 0;
+  if (a.grad_lw || a.grad_ess) {
+    std::vector<acc_t> sums(3 * num_chunks);
     torch::stable::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t ch = c0; ch < c1; ++ch) {
         const int64_t i1 = std::min(N, (ch + 1) * chunk);
-        acc_t s = 0;
-        for (int64_t i = ch * chunk; i < i1; ++i) s += a.grad_lw[i];
-        sums[ch] = s;
+        acc_t s = 0, sw = 0, sw2 = 0;
+        for (int64_t i = ch * chunk; i < i1; ++i) {
+          if (a.grad_lw) s += a.grad_lw[i];
+          if (a.grad_ess) {
+            const acc_t w = std::exp(acc_t(a.log_weights[i]));
+            sw += w;
+            sw2 += w * w;
+          }
+        }
+        sums[3 * ch] = s;
+        sums[3 * ch + 1] = sw;
+        sums[3 * ch + 2] = sw2;
       }
     });
-    for (int64_t ch = 0; ch < num_chunks; ++ch) c += sums[ch];
+    for (int64_t ch = 0; ch < num_chunks; ++ch) {
+      c += sums[3 * ch];
+      sum_w += sums[3 * ch + 1];
+      sum_w2 += sums[3 * ch + 2];
+    }
   }
+  // d ess / d lw_i = 2 w_i (S - w_i) / S^2 with S = sum_j w_j^2 = 1 / ess.
+  // Near a dominant sample S - w_i cancels, so S and w_i must be consistent:
+  // both come from log_weights here, renormalised in double (sum_i w_i is 1
+  // only up to the float rounding of log_weights), never from the separately
+  // rounded forward output ess.
+  const acc_t inv_sum_w = a.grad_ess ? acc_t(1) / sum_w : 0.0;
+  const acc_t S = sum_w2 * inv_sum_w * inv_sum_w;
+  const acc_t ess_coef = a.grad_ess ? gE * 2 / (S * S) : 0.0;
 
   // Pass 2.  Chunk partial layout: S1 [(K+1)*D] = sum g r z, S2 [(K+1)*D] =
   // sum g r (z^2 - 1) (row K: the proposal, with r = 1), S0 [K] = sum g r.
@@ -132,7 +151,10 @@ void importance_sampling_backward_kernel(const BackwardArgs<T>& a, const T* mix_
           for (int64_t d = 0; d < D; ++d) dot += (acc_t(xi[d]) - mean[d]) * gM[d];
         }
         acc_t g = (a.grad_lw ? acc_t(a.grad_lw[i]) : 0.0) - w * c + w * dot;
-        if (a.grad_ess) g += gE * 2 * ess * w * (1 - ess * w);
+        if (a.grad_ess) {
+          const acc_t wn = w * inv_sum_w;
+          g += ess_coef * wn * (S - wn);
+        }
         // coef[k] = g * r_ik (k < K), coef[K] = g.
         const acc_t log_p = lse.value();
         for (int64_t k = 0; k < K; ++k) coef[k] = g * std::exp(coef[k] - log_p);
@@ -186,11 +208,10 @@ ImportanceSamplingGrads importance_sampling_backward_cpu(
     const std::optional<Tensor>& grad_weighted_mean, const std::optional<Tensor>& grad_ess,
     const std::optional<Tensor>& grad_log_weights, const Tensor& samples,
     const Tensor& mix_weights, const Tensor& mix_mus, const Tensor& mix_stds, const Tensor& q_mu,
-    const Tensor& q_std, const Tensor& weighted_mean, const Tensor& ess,
-    const Tensor& log_weights) {
+    const Tensor& q_std, const Tensor& weighted_mean, const Tensor& log_weights) {
   ImportanceSamplingBackwardCall c(grad_weighted_mean, grad_ess, grad_log_weights, samples,
                                    mix_weights, mix_mus, mix_stds, q_mu, q_std, weighted_mean,
-                                   ess, log_weights);
+                                   log_weights);
   dispatch_float(samples.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     using Call = ImportanceSamplingBackwardCall;
@@ -200,7 +221,6 @@ ImportanceSamplingGrads importance_sampling_backward_cpu(
                                c.x.const_data_ptr<T>(),
                                c.mix_weights.const_data_ptr<T>(),
                                c.weighted_mean.const_data_ptr<T>(),
-                               *c.ess.const_data_ptr<T>(),
                                c.log_weights.const_data_ptr<T>(),
                                c.N,
                                c.D,

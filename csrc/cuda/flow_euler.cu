@@ -185,14 +185,34 @@ constexpr int kClusterMaxB = 32;
 // a warp, so a row is read in whole warp-wide strides and padding is zero.
 constexpr int kClusterKStride = 4 * kWarpSize;
 
-struct ClusterArgs {
+// What every float32 fast path reads: the op's tensors as raw pointers, the
+// sizes as int (the paths apply only where they fit) and the step size.
+struct FlowParams {
   const float *x0, *w1, *b1, *w2, *b2, *w3, *b3;
   float* x;
   int B, D, H, num_steps;
+  float dt;
+};
+
+FlowParams flow_params(const FlowEulerCall& c) {
+  FlowParams p{};
+  p.x0 = c.x0.const_data_ptr<float>();
+  p.w1 = c.w1.const_data_ptr<float>();
+  p.b1 = c.b1.const_data_ptr<float>();
+  p.w2 = c.w2.const_data_ptr<float>();
+  p.b2 = c.b2.const_data_ptr<float>();
+  p.w3 = c.w3.const_data_ptr<float>();
+  p.b3 = c.b3.const_data_ptr<float>();
+  p.x = c.x.mutable_data_ptr<float>();
+  p.B = int(c.B), p.D = int(c.D), p.H = int(c.H), p.num_steps = int(c.num_steps);
+  p.dt = flow_step_size<float>(c.num_steps);
+  return p;
+}
+
+struct ClusterArgs : FlowParams {
   int n1, n3;    // neurons per block: layers 1-2, layer 3
   int ldD, ldH;  // padded row lengths (multiples of kClusterKStride)
   int rows;      // B rounded up to a multiple of 8
-  float dt;
 };
 
 // Shared memory of one cluster block, in floats.  The float4-read arrays
@@ -363,21 +383,12 @@ int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
 ClusterArgs cluster_args(const FlowEulerCall& c, int num_blocks) {
   ClusterArgs a{};
-  a.x0 = c.x0.const_data_ptr<float>();
-  a.w1 = c.w1.const_data_ptr<float>();
-  a.b1 = c.b1.const_data_ptr<float>();
-  a.w2 = c.w2.const_data_ptr<float>();
-  a.b2 = c.b2.const_data_ptr<float>();
-  a.w3 = c.w3.const_data_ptr<float>();
-  a.b3 = c.b3.const_data_ptr<float>();
-  a.x = c.x.mutable_data_ptr<float>();
-  a.B = int(c.B), a.D = int(c.D), a.H = int(c.H), a.num_steps = int(c.num_steps);
+  static_cast<FlowParams&>(a) = flow_params(c);
   a.n1 = (a.H + num_blocks - 1) / num_blocks;
   a.n3 = (a.D + num_blocks - 1) / num_blocks;
   a.ldD = round_up(a.D, kClusterKStride);
   a.ldH = round_up(a.H, kClusterKStride);
   a.rows = round_up(a.B, 8);
-  a.dt = flow_step_size<float>(c.num_steps);
   return a;
 }
 
@@ -419,12 +430,8 @@ constexpr int kChunkLd = kKChunk + 4;       // == 4 (mod 32): conflict-free frag
 constexpr int kPassCols = kWarps * 4 * 8;   // output columns per pass: 4 n8-tiles per warp
 constexpr int kStage = kPassCols * kKChunk / kThreads;  // staged elements per thread
 
-struct TiledArgs {
-  const float *x0, *w1, *b1, *w2, *b2, *w3, *b3;
-  float* x;
-  int B, D, H, num_steps;
+struct TiledArgs : FlowParams {
   int KpD, KpH;  // D, H rounded up to kKChunk
-  float dt;
 };
 
 // Shared memory of one tile block, in floats.  Activation rows are K padded
@@ -588,18 +595,9 @@ __global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
 
 TiledArgs tiled_args(const FlowEulerCall& c) {
   TiledArgs a{};
-  a.x0 = c.x0.const_data_ptr<float>();
-  a.w1 = c.w1.const_data_ptr<float>();
-  a.b1 = c.b1.const_data_ptr<float>();
-  a.w2 = c.w2.const_data_ptr<float>();
-  a.b2 = c.b2.const_data_ptr<float>();
-  a.w3 = c.w3.const_data_ptr<float>();
-  a.b3 = c.b3.const_data_ptr<float>();
-  a.x = c.x.mutable_data_ptr<float>();
-  a.B = int(c.B), a.D = int(c.D), a.H = int(c.H), a.num_steps = int(c.num_steps);
+  static_cast<FlowParams&>(a) = flow_params(c);
   a.KpD = round_up(a.D, kKChunk);
   a.KpH = round_up(a.H, kKChunk);
-  a.dt = flow_step_size<float>(c.num_steps);
   return a;
 }
 

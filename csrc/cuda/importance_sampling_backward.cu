@@ -9,9 +9,10 @@
 //
 // Phase A  Every block prepares a share of 1/std and the log-normalisers into
 //          the workspace, zeroes its own partial-sum row, and writes its
-//          partial of sum_i gL_i.
-// Phase B  After the grid barrier every block adds the gL partials in the same
-//          fixed order (all blocks agree bitwise on c = sum_i gL_i).  Blocks
+//          partials of sum_i gL_i and (for the ESS gradient) of sum_i w_i and
+//          sum_i w_i^2.
+// Phase B  After the grid barrier every block adds those partials in the same
+//          fixed order (all blocks agree bitwise on c = sum_i gL_i and S).  Blocks
 //          then walk tiles of `tile` samples (grid-stride over tiles):
 //            1. one thread per sample: the K log densities, the
 //               responsibilities and g_i -> coef [tile, K + 2] (shared
@@ -24,8 +25,11 @@
 // Phase C  After the second grid barrier the partials are summed over blocks
 //          in block order, one thread per entry, and scaled into the gradients.
 //
-// Per-sample arithmetic runs in the tensors' dtype; the sums over samples
-// (tile slices, tiles, blocks) in double.  No atomics; every sum has a fixed
+// Per-sample arithmetic runs in the tensors' dtype, except the ESS term
+// 2 w_i (S - w_i) / S^2 (S = sum_j w_j^2 = 1 / ess), which cancels near a
+// dominant sample: it runs in double, with S and w_i both from log_weights
+// (renormalised), never from the separately rounded forward output ess.  The
+// sums over samples (tile slices, tiles, blocks) run in double.  No atomics; every sum has a fixed
 // order, so results are bitwise reproducible for a given device and input
 // size.  Workspace: O(grid * (K + 1) * D).
 
@@ -66,7 +70,6 @@ struct BackwardArgs {
   const T* q_mu;         // [D]
   const T* q_std;        // [D]
   const T* mean;         // [D] forward output
-  const T* ess;          // []  forward output
   const T* log_weights;  // [N] forward output (normalised)
   int64_t N;
   int D, K;
@@ -78,7 +81,7 @@ struct BackwardArgs {
   T* grad_q_mu;          // [D]
   T* grad_q_std;         // [D]
   // Workspace (no initialisation needed: every entry is written before it is read).
-  T* block_gl;    // [grid]        per-block partial of sum_i gL_i
+  double* block_sums;  // [3, grid] per-block partials of sum_i gL_i, sum_i w_i, sum_i w_i^2
   T* inv_std;     // [(K + 1) * D] row K: the proposal
   T* log_norm;    // [K + 1]       log w_k - sum_d log std_kd; [K]: -sum_d log q_std_d
   double* block_acc;  // [grid, 2 * E] per-block S1 | S0 (E entries), then S2 (E entries)
@@ -90,6 +93,7 @@ __global__ void __launch_bounds__(kThreads)
 importance_sampling_backward_kernel(const BackwardArgs<T> a) {
   extern __shared__ __align__(16) char smem_raw[];
   __shared__ T reduce_t[kWarps];
+  __shared__ double reduce_d[kWarps];
   __shared__ double partial[2 * kThreads];
 
   const int tid = threadIdx.x;
@@ -119,23 +123,42 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
   }
   for (int64_t p = tid; p < 2 * E; p += blockDim.x) acc[p] = 0;  // owner: thread p % blockDim.x
   {
-    T s = 0;
+    double s = 0, sw = 0, sw2 = 0;
     if (a.grad_lw) {
-      for (int64_t i = gtid; i < a.N; i += gthreads) s += a.grad_lw[i];
+      for (int64_t i = gtid; i < a.N; i += gthreads) s += double(a.grad_lw[i]);
     }
-    s = cuda::block_allreduce(s, reduce_t);
-    if (tid == 0) a.block_gl[blockIdx.x] = s;
+    if (a.grad_ess) {
+      for (int64_t i = gtid; i < a.N; i += gthreads) {
+        const double w = exp(double(a.log_weights[i]));
+        sw += w;
+        sw2 += w * w;
+      }
+    }
+    s = cuda::block_allreduce(s, reduce_d);
+    sw = cuda::block_allreduce(sw, reduce_d);
+    sw2 = cuda::block_allreduce(sw2, reduce_d);
+    if (tid == 0) {
+      a.block_sums[blockIdx.x] = s;
+      a.block_sums[gridDim.x + blockIdx.x] = sw;
+      a.block_sums[2 * gridDim.x + blockIdx.x] = sw2;
+    }
   }
 
   cg::this_grid().sync();
 
   // ---- Phase B ------------------------------------------------------------
-  T c = 0;
-  for (int b = tid; b < int(gridDim.x); b += blockDim.x) c += a.block_gl[b];
-  c = cuda::block_allreduce(c, reduce_t);
-
-  const T ess = *a.ess;
-  const T g_ess = a.grad_ess ? *a.grad_ess : T(0);
+  double c_sum = 0, sum_w = 0, sum_w2 = 0;
+  for (int b = tid; b < int(gridDim.x); b += blockDim.x) {
+    c_sum += a.block_sums[b];
+    sum_w += a.block_sums[gridDim.x + b];
+    sum_w2 += a.block_sums[2 * gridDim.x + b];
+  }
+  const T c = T(cuda::block_allreduce(c_sum, reduce_d));
+  sum_w = cuda::block_allreduce(sum_w, reduce_d);
+  sum_w2 = cuda::block_allreduce(sum_w2, reduce_d);
+  const double inv_sum_w = a.grad_ess ? 1.0 / sum_w : 0.0;
+  const double S = sum_w2 * inv_sum_w * inv_sum_w;
+  const double ess_coef = a.grad_ess ? double(*a.grad_ess) * 2.0 / (S * S) : 0.0;
   const int CS = K + 2;  // per sample: coef_0..coef_{K-1}, g, w
   T* coef = a.coef_global ? a.coef_global + int64_t(blockIdx.x) * a.tile * CS
                           : reinterpret_cast<T*>(smem_raw);
@@ -176,7 +199,10 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
         for (int d = 0; d < D; ++d) dot += (xi[d] - a.mean[d]) * a.grad_mean[d];
       }
       T g = (a.grad_lw ? a.grad_lw[i] : T(0)) - w * c + w * dot;
-      if (a.grad_ess) g += g_ess * T(2) * ess * w * (T(1) - ess * w);
+      if (a.grad_ess) {
+        const double wn = exp(double(a.log_weights[i])) * inv_sum_w;
+        g += T(ess_coef * wn * (S - wn));
+      }
       const T g_over_sum = g / sum;
       for (int k = 0; k < K; ++k) cf[k] *= g_over_sum;
       cf[K] = g;
@@ -294,7 +320,6 @@ void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c
   a.q_mu = c.q_mu.const_data_ptr<T>();
   a.q_std = c.q_std.const_data_ptr<T>();
   a.mean = c.weighted_mean.const_data_ptr<T>();
-  a.ess = c.ess.const_data_ptr<T>();
   a.log_weights = c.log_weights.const_data_ptr<T>();
   a.N = c.N;
   a.D = int(c.D);
@@ -333,16 +358,18 @@ void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c
 
   // One workspace allocation, carved into 16-byte aligned arrays.
   auto count = [](int64_t n) { return (n * int64_t(sizeof(T)) + 15) / 16 * 16 / int64_t(sizeof(T)); };
-  const int64_t n_gl = count(grid), n_inv = count((K + 1) * D), n_norm = count(K + 1);
-  // Partials in double: count(2 * n) T elements hold n doubles when T is float.
-  const int64_t n_acc = count(grid * 2 * E * int64_t(sizeof(double) / sizeof(T)));
+  // Arrays of doubles: count(2 * n) T elements hold n doubles when T is float.
+  constexpr int64_t kDoubleT = int64_t(sizeof(double) / sizeof(T));
+  const int64_t n_sums = count(3 * grid * kDoubleT);
+  const int64_t n_inv = count((K + 1) * D), n_norm = count(K + 1);
+  const int64_t n_acc = count(grid * 2 * E * kDoubleT);
   const int64_t n_coef = coef_in_smem ? 0 : count(grid * tile * CS);
-  Tensor workspace = empty_like_device(c.x, {n_gl + n_inv + n_norm + n_acc + n_coef});
+  Tensor workspace = empty_like_device(c.x, {n_sums + n_inv + n_norm + n_acc + n_coef});
   T* w = workspace.mutable_data_ptr<T>();
-  a.block_gl = w;
-  a.inv_std = a.block_gl + n_gl;
+  a.block_sums = reinterpret_cast<double*>(w);  // every array starts 16-byte aligned
+  a.inv_std = w + n_sums;
   a.log_norm = a.inv_std + n_inv;
-  a.block_acc = reinterpret_cast<double*>(a.log_norm + n_norm);  // 16-byte aligned
+  a.block_acc = reinterpret_cast<double*>(a.log_norm + n_norm);
   a.coef_global = coef_in_smem ? nullptr : a.log_norm + n_norm + n_acc;
 
   cuda::launch_cooperative(kernel, grid, kThreads, smem, a);
@@ -352,13 +379,12 @@ ImportanceSamplingGrads importance_sampling_backward_cuda(
     const std::optional<Tensor>& grad_weighted_mean, const std::optional<Tensor>& grad_ess,
     const std::optional<Tensor>& grad_log_weights, const Tensor& samples,
     const Tensor& mix_weights, const Tensor& mix_mus, const Tensor& mix_stds, const Tensor& q_mu,
-    const Tensor& q_std, const Tensor& weighted_mean, const Tensor& ess,
-    const Tensor& log_weights) {
+    const Tensor& q_std, const Tensor& weighted_mean, const Tensor& log_weights) {
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   if (samples.is_cuda()) guard.emplace(samples.get_device_index());
   ImportanceSamplingBackwardCall c(grad_weighted_mean, grad_ess, grad_log_weights, samples,
                                    mix_weights, mix_mus, mix_stds, q_mu, q_std, weighted_mean,
-                                   ess, log_weights);
+                                   log_weights);
   FUSED_OPS_CHECK(samples.is_cuda(), "samples must be a CUDA tensor, got ", device_str(samples));
   FUSED_OPS_CHECK(c.D <= INT_MAX / 2 && c.K <= INT_MAX / 2,
                   "importance_sampling_backward: D and K must fit in int32, got D=", c.D,
