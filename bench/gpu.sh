@@ -10,6 +10,14 @@
 #       installs that wheel (built elsewhere, e.g. on the CI machine) instead of
 #       building, and runs everything against the installed package from a
 #       directory outside the source tree: the "one wheel" check of the stable ABI.
+#   TEST_SHARDS=2        runs the test files in that many pytest processes at
+#                        once (files dealt round-robin; one log per shard)
+#   SKIP_TESTS=1         no test stage (e.g. a sanitizer-only or timing-only run)
+#   SANITIZE_TOOLS=none  no compute-sanitizer stage
+#   COMPARE_WITH=old.tar.gz COMPARE_ARGS="--device cuda --ops importance_sampling --no-compile"
+#       also builds that source tree (a `git archive` of another commit) in
+#       place and times it against the build under test in one process pair
+#       per round (bench/compare_builds.py) -> $OUT/compare/compare-builds.{md,json}
 #
 # A copy of the tree without .git can pass FUSED_OPS_GIT_COMMIT=<sha> so the
 # benchmark results record the commit they measured.
@@ -73,12 +81,54 @@ $PY -c 'import fused_ops, json; print("fused_ops from", fused_ops.__file__); pri
 # TEST_FILES narrows the suite (paths relative to tests/), e.g. for a re-run.
 TEST_PATHS=("$REPO/tests")
 if [[ -n "${TEST_FILES:-}" ]]; then TEST_PATHS=(); for f in $TEST_FILES; do TEST_PATHS+=("$REPO/tests/$f"); done; fi
-stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "${TEST_PATHS[@]}"
-tail -n 15 "$LOGS/tests.log"
+if [[ -z "${SKIP_TESTS:-}" ]]; then
+  SHARDS=${TEST_SHARDS:-1}
+  if (( SHARDS <= 1 )); then
+    stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "${TEST_PATHS[@]}"
+    tail -n 15 "$LOGS/tests.log"
+  else
+    FILES=()
+    for p in "${TEST_PATHS[@]}"; do
+      if [[ -d $p ]]; then FILES+=("$p"/test_*.py); else FILES+=("$p"); fi
+    done
+    pids=()
+    for ((k = 0; k < SHARDS; k++)); do
+      part=()
+      for ((j = k; j < ${#FILES[@]}; j += SHARDS)); do part+=("${FILES[j]}"); done
+      (( ${#part[@]} )) || continue
+      stage "tests$k" timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider --rootdir "$REPO" "${part[@]}" &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for ((k = 0; k < SHARDS; k++)); do
+      [[ -f $LOGS/tests$k.log ]] && { echo "== shard $k"; tail -n 12 "$LOGS/tests$k.log"; } | tee -a "$SUMMARY"
+    done
+  fi
+fi
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+  [[ $tool == none ]] && continue
   stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py" ${SANITIZE_GROUPS:-}
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
+if [[ -n "${COMPARE_WITH:-}" ]]; then
+  # The other build: its source tree built in place with the same compiler,
+  # architectures and torch; the build under test is the wheel's site or the
+  # in-place build of this tree.
+  case $COMPARE_WITH in /*) ARCHIVE=$COMPARE_WITH ;; *) ARCHIVE=$REPO/$COMPARE_WITH ;; esac
+  OTHER=$(mktemp -d)/src
+  mkdir -p "$OTHER" && tar -xzf "$ARCHIVE" -C "$OTHER"
+  if stage build_other bash -c "cd '$OTHER' && FORCE_CUDA=1 $PY setup.py build_ext --inplace"; then
+    stage compare timeout ${COMPARE_TIMEOUT:-300} $PY -m bench.compare_builds \
+      --build "${COMPARE_LABEL:-current}=${SITE:-$REPO}" --build "${COMPARE_OTHER_LABEL:-other}=$OTHER" \
+      --rounds ${COMPARE_ROUNDS:-3} --out "$OUT/compare" -- ${COMPARE_ARGS:---device cuda --ops importance_sampling --no-compile}
+    tail -n 8 "$LOGS/compare.log" | tee -a "$SUMMARY"
+    # Only the summary files come back (the device tool returns few files).
+    tar -czf "$LOGS/compare-rounds.tar.gz" -C "$OUT/compare" --exclude='compare-builds.*' .
+    find "$OUT/compare" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+  else
+    tail -n 30 "$LOGS/build_other.log"
+  fi
+fi
 if [[ -z "${SKIP_BENCH:-}" ]]; then
 stage kernels timeout 120 $PY -m bench.kernel_timing
 cat "$LOGS/kernels.log"
