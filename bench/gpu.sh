@@ -64,7 +64,7 @@ if [[ -n "${FUSED_OPS_WHEEL:-}" ]]; then
     tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
     exit 1
   fi
-  export PYTHONPATH=$SITE
+  export PYTHONPATH=$SITE FUSED_OPS_TEST_INSTALLED=1
   # Run from a directory holding only a copy of bench/, so `import fused_ops`
   # finds the installed wheel, never ./fused_ops of the source tree.
   RUN_DIR=$(mktemp -d)

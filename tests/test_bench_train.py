@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# bench/ is not installed: import it from the source tree, appended (not
+# prepended) so that the fused_ops under test stays the one found first (an
+# installed wheel must not be shadowed by the source tree's fused_ops/).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench import benchmark, train_vae  # noqa: E402
 

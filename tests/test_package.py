@@ -1,6 +1,10 @@
 """Packaging: build metadata, the compatibility check made before loading _C,
 and what the stable-ABI build promises (one library for several torch releases)."""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,3 +59,17 @@ def test_extension_is_abi3():
 
     origin = importlib.util.find_spec("fused_ops._C").origin
     assert origin.endswith(".abi3.so"), origin
+
+
+@pytest.mark.skipif(not os.environ.get("FUSED_OPS_TEST_INSTALLED"),
+                    reason="set FUSED_OPS_TEST_INSTALLED=1 when testing an installed wheel")
+def test_suite_runs_against_the_installed_package():
+    # Testing a wheel means every test module imported the installed
+    # fused_ops, never the source tree's fused_ops/ next to tests/ (which a
+    # sys.path entry for the tree would put first).
+    source_tree = Path(__file__).resolve().parents[1]
+    assert not Path(fused_ops.__file__).resolve().is_relative_to(source_tree), fused_ops.__file__
+    for name, module in sys.modules.items():
+        if name == "fused_ops" or name.startswith("fused_ops."):
+            where = getattr(module, "__file__", None)
+            assert where is None or not Path(where).resolve().is_relative_to(source_tree), (name, where)
