@@ -3,6 +3,11 @@
 Imported by conftest.py and the test files (pytest puts tests/ on sys.path).
 """
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -33,6 +38,47 @@ def tol(dtype):
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------
+# Shared scaffolding of the three ops' test files
+# ---------------------------------------------------------------------------
+
+
+def arg_modifier(arg_names, **changes):
+    """A function ``args -> args`` that replaces each named argument ``a`` by
+    ``changes[name](a)`` (how the bad-input tables spell a broken call)."""
+
+    def apply(args):
+        named = dict(zip(arg_names, args))
+        for name, change in changes.items():
+            named[name] = change(named[name])
+        return [named[n] for n in arg_names]
+
+    return apply
+
+
+def check_error_names(excinfo, arg, expected):
+    """The error names the argument (as a whole word: "q_mu" does not match
+    inside "q_mu_x") and says what was expected (a regex)."""
+    msg = str(excinfo.value)
+    assert re.search(rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])", msg), f"message does not name {arg!r}: {msg}"
+    assert re.search(expected, msg), f"message does not say {expected!r}: {msg}"
+
+
+def outputs_per_thread_count(fn, thread_counts):
+    """``{n: fn()}`` with torch's intra-op thread count set to each n in
+    turn; the caller's thread count is restored."""
+    saved = torch.get_num_threads()
+    try:
+        results = {}
+        for n in thread_counts:
+            torch.set_num_threads(n)
+            results[n] = fn()
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.get_num_threads() == saved
+    return results
 
 
 def make_inputs(
@@ -108,3 +154,24 @@ def rounding_sensitivity(args, eps=2.0**-23):
     ess_bound = (2 * ess * wt * (1 - ess * wt)).abs().mul(eta).sum()
     lw_bound = eta + (wt * eta).sum()
     return mean_bound, ess_bound, lw_bound
+
+
+def run_with_baseline_isa(tmp_path, body):
+    """Runs ``body`` (Python source; ``torch``, ``fused_ops`` and
+    ``reference`` imported, the seed set) in a child process with
+    ATEN_CPU_CAPABILITY=default, which makes the CPU kernels take their
+    baseline (SSE2) build instead of the AVX2 one picked at run time.  The
+    child imports the fused_ops this process imported (installed, or built in
+    place in a source tree); ``body`` must raise on a mismatch."""
+    import fused_ops
+
+    script = tmp_path / "baseline_isa.py"
+    script.write_text(
+        "import torch, fused_ops\nfrom fused_ops import reference\ntorch.manual_seed(0)\n"
+        + body + "\nprint('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fused_ops.__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -11,9 +11,6 @@ The lists below contain all of them, so one CUDA run of this file covers
 every path.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +18,16 @@ from torch import nn
 
 import fused_ops
 from fused_ops import reference
-from fused_test_utils import DTYPES, requires_cuda, sync, tol
+from fused_test_utils import (
+    DTYPES,
+    arg_modifier,
+    check_error_names,
+    outputs_per_thread_count,
+    requires_cuda,
+    run_with_baseline_isa,
+    sync,
+    tol,
+)
 
 OP = torch.ops.fused_ops.flow_euler.default
 ENTRIES = [
@@ -305,16 +311,9 @@ def test_deterministic_repeated_calls(B, D, H, steps, device):
 
 def test_deterministic_across_thread_counts():
     args = make_args(300, 16, 40)  # several CPU row blocks
-    saved = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results.append(OP(*args, 5))
-    finally:
-        torch.set_num_threads(saved)
-    for r in results[1:]:
-        assert torch.equal(r, results[0])
+    results = outputs_per_thread_count(lambda: OP(*args, 5), (1, 2, 3))
+    for r in results.values():
+        assert torch.equal(r, results[1])
 
 
 # ---------------------------------------------------------------------------
@@ -324,14 +323,7 @@ def test_deterministic_across_thread_counts():
 
 def _bad(**changes):
     """A modifier of the valid arguments (B=6, D=4, H=10, float32)."""
-
-    def apply(args):
-        args = dict(zip(ARG_NAMES, args))
-        for name, fn in changes.items():
-            args[name] = fn(args[name])
-        return [args[n] for n in ARG_NAMES]
-
-    return apply
+    return arg_modifier(ARG_NAMES, **changes)
 
 
 BAD_INPUTS = [
@@ -361,14 +353,6 @@ BAD_INPUTS = [
 ]
 
 
-def _check_error(excinfo, arg, expected):
-    import re
-
-    msg = str(excinfo.value)
-    assert re.search(rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])", msg), f"message does not name {arg!r}: {msg}"
-    assert re.search(expected, msg), f"message does not say {expected!r}: {msg}"
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("modify,steps,arg,expected", [pytest.param(*c[1:], id=c[0]) for c in BAD_INPUTS])
 def test_bad_inputs(modify, steps, arg, expected, entry, device):
@@ -376,7 +360,7 @@ def test_bad_inputs(modify, steps, arg, expected, entry, device):
     with pytest.raises((RuntimeError, ValueError)) as excinfo:
         entry(*args, steps)
         sync(device)
-    _check_error(excinfo, arg, expected)
+    check_error_names(excinfo, arg, expected)
 
 
 @requires_cuda
@@ -388,7 +372,7 @@ def test_cpu_cuda_mix(cpu_arg):
     with pytest.raises((RuntimeError, ValueError)) as excinfo:
         OP(*args, 2)
         torch.cuda.synchronize()
-    _check_error(excinfo, cpu_arg if cpu_arg != "x0" else "w1", r"device|cuda|cpu")
+    check_error_names(excinfo, cpu_arg if cpu_arg != "x0" else "w1", r"device|cuda|cpu")
 
 
 # ---------------------------------------------------------------------------
@@ -443,28 +427,18 @@ def test_cuda_matches_cpu_float64():
 def test_cpu_baseline_isa_matches_reference(tmp_path):
     """The CPU elementwise passes have an SSE2 baseline and an AVX2 build chosen
     at run time; ATEN_CPU_CAPABILITY=default forces the baseline."""
-    script = tmp_path / "baseline.py"
-    script.write_text(
-        "import torch, fused_ops\n"
-        "from fused_ops import reference\n"
-        "torch.manual_seed(0)\n"
-        "for B, D, H, S in [(3, 5, 37, 3), (70, 16, 40, 2)]:\n"
-        "    for dt in (torch.float32, torch.float64):\n"
-        "        args = [torch.randn(B, D, dtype=dt), torch.randn(H, D + 1, dtype=dt) / D**0.5,\n"
-        "                torch.randn(H, dtype=dt) * 0.1, torch.randn(H, H, dtype=dt) / H**0.5,\n"
-        "                torch.randn(H, dtype=dt) * 0.1, torch.randn(D, H, dtype=dt) / H**0.5,\n"
-        "                torch.randn(D, dtype=dt) * 0.1]\n"
-        "        tol = 1e-4 if dt == torch.float32 else 1e-10\n"
-        "        torch.testing.assert_close(fused_ops.flow_euler(*args, S), reference.flow_euler(*args, S),\n"
-        "                                   atol=tol, rtol=tol)\n"
-        "print('ok')\n"
+    run_with_baseline_isa(
+        tmp_path,
+        'for B, D, H, S in [(3, 5, 37, 3), (70, 16, 40, 2)]:\n'
+        '    for dt in (torch.float32, torch.float64):\n'
+        '        args = [torch.randn(B, D, dtype=dt), torch.randn(H, D + 1, dtype=dt) / D**0.5,\n'
+        '                torch.randn(H, dtype=dt) * 0.1, torch.randn(H, H, dtype=dt) / H**0.5,\n'
+        '                torch.randn(H, dtype=dt) * 0.1, torch.randn(D, H, dtype=dt) / H**0.5,\n'
+        '                torch.randn(D, dtype=dt) * 0.1]\n'
+        '        tol = 1e-4 if dt == torch.float32 else 1e-10\n'
+        '        torch.testing.assert_close(fused_ops.flow_euler(*args, S), reference.flow_euler(*args, S),\n'
+        '                                   atol=tol, rtol=tol)',
     )
-    # The package this suite imported (an in-place build or an installed one).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fused_ops.__file__)))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------

@@ -6,9 +6,6 @@ seed of a failing test).  CUDA variants are parametrised with DEVICE_PARAMS and
 show up as skipped on a machine without a GPU.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,11 +19,15 @@ from fused_test_utils import (
     DEVICE_PARAMS,
     DTYPES,
     TOL,
+    arg_modifier,
+    check_error_names,
     describe,
     make_inputs,
+    outputs_per_thread_count,
     requires_cuda,
     requires_two_gpus,
     rounding_sensitivity,
+    run_with_baseline_isa,
     sync,
     tol,
 )
@@ -492,16 +493,8 @@ def test_deterministic_repeated_calls(dtype, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 def test_deterministic_across_thread_counts(dtype):
     args = make_inputs(100003, 16, 3, dtype=dtype)  # ~390 chunks of 256 samples
-    saved = torch.get_num_threads()
-    try:
-        results = {}
-        for threads in (1, 2, 3, 7):
-            torch.set_num_threads(threads)
-            results[threads] = fused(*args)
-    finally:
-        torch.set_num_threads(saved)
-    assert torch.get_num_threads() == saved
-    for threads, out in results.items():
+    results = outputs_per_thread_count(lambda: fused(*args), (1, 2, 3, 7))
+    for out in results.values():
         assert_outputs_equal(out, results[1])
 
 
@@ -512,14 +505,7 @@ def test_deterministic_across_thread_counts(dtype):
 
 def _bad(**changes):
     """A modifier of the valid arguments (N=6, D=4, K=3, float32)."""
-
-    def apply(args):
-        args = dict(zip(ARG_NAMES, args))
-        for name, fn in changes.items():
-            args[name] = fn(args[name])
-        return [args[n] for n in ARG_NAMES]
-
-    return apply
+    return arg_modifier(ARG_NAMES, **changes)
 
 
 # (id, modifier, argument the message must name, what it must say was expected)
@@ -550,19 +536,6 @@ BAD_INPUTS = [
 ]
 
 
-def _names(arg):
-    # The argument as a whole word ("q_mu" must not match inside "q_mu_x").
-    return rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])"
-
-
-def _check_error(excinfo, arg, expected):
-    import re
-
-    msg = str(excinfo.value)
-    assert re.search(_names(arg), msg), f"message does not name {arg!r}: {msg}"
-    assert re.search(expected, msg), f"message does not say {expected!r}: {msg}"
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("modify,arg,expected", [pytest.param(*c[1:], id=c[0]) for c in BAD_INPUTS])
 def test_bad_inputs(modify, arg, expected, entry, device):
@@ -570,7 +543,7 @@ def test_bad_inputs(modify, arg, expected, entry, device):
     with pytest.raises((RuntimeError, ValueError)) as excinfo:
         entry(*args)
         sync(device)
-    _check_error(excinfo, arg, expected)
+    check_error_names(excinfo, arg, expected)
 
 
 @requires_cuda
@@ -588,7 +561,7 @@ def test_cpu_cuda_mix(cpu_arg, entry):
     # The message names a tensor on the wrong device: the CPU one, or (when
     # samples is the CPU tensor and so sets the expected device) the first
     # of the others.
-    _check_error(excinfo, cpu_arg if cpu_arg != "samples" else "mix_weights", r"device|cuda|cpu")
+    check_error_names(excinfo, cpu_arg if cpu_arg != "samples" else "mix_weights", r"device|cuda|cpu")
 
 
 @requires_two_gpus
@@ -598,7 +571,7 @@ def test_two_cuda_devices_mix():
     with pytest.raises((RuntimeError, ValueError)) as excinfo:
         fused(*args)
         torch.cuda.synchronize()
-    _check_error(excinfo, "mix_mus", r"device|cuda")
+    check_error_names(excinfo, "mix_mus", r"device|cuda")
 
 
 # ---------------------------------------------------------------------------
@@ -737,27 +710,16 @@ def test_cuda_graph_capture():
 def test_cpu_baseline_isa_matches_reference(tmp_path):
     """The CPU kernel has an SSE2 baseline and an AVX2 build chosen at run time;
     ATEN_CPU_CAPABILITY=default forces the baseline, which must be right too."""
-    script = tmp_path / "baseline.py"
-    script.write_text(
-        "import torch, fused_ops\n"
-        "from fused_ops import reference\n"
-        "torch.manual_seed(0)\n"
-        "for N, D, K in [(1, 1, 1), (37, 3, 2), (4099, 16, 3), (300, 130, 5)]:\n"
-        "    for dt in (torch.float32, torch.float64):\n"
-        "        x = torch.randn(N, D, dtype=dt) * 3\n"
-        "        args = (x, torch.rand(K, dtype=dt) + 0.1, torch.randn(K, D, dtype=dt) * 2,\n"
-        "                torch.rand(K, D, dtype=dt) + 0.5, torch.randn(D, dtype=dt), torch.rand(D, dtype=dt) + 2)\n"
-        "        got = fused_ops.importance_sampling(*args)\n"
-        "        want = reference.importance_sampling(*args)\n"
-        "        tol = 1e-4 if dt == torch.float32 else 1e-10\n"
-        "        for g, w in zip(got, want):\n"
-        "            torch.testing.assert_close(g, w, atol=tol, rtol=tol)\n"
-        "print('ok')\n"
+    run_with_baseline_isa(
+        tmp_path,
+        'for N, D, K in [(1, 1, 1), (37, 3, 2), (4099, 16, 3), (300, 130, 5)]:\n'
+        '    for dt in (torch.float32, torch.float64):\n'
+        '        x = torch.randn(N, D, dtype=dt) * 3\n'
+        '        args = (x, torch.rand(K, dtype=dt) + 0.1, torch.randn(K, D, dtype=dt) * 2,\n'
+        '                torch.rand(K, D, dtype=dt) + 0.5, torch.randn(D, dtype=dt), torch.rand(D, dtype=dt) + 2)\n'
+        '        got = fused_ops.importance_sampling(*args)\n'
+        '        want = reference.importance_sampling(*args)\n'
+        '        tol = 1e-4 if dt == torch.float32 else 1e-10\n'
+        '        for g, w in zip(got, want):\n'
+        '            torch.testing.assert_close(g, w, atol=tol, rtol=tol)',
     )
-    # The child imports the fused_ops this process imported (installed, or
-    # built in place in a source tree).
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fused_ops.__file__)))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -8,7 +8,6 @@ paths chosen from the sizes (csrc/cuda/vae_elbo.cu); CUDA_PATH_CASES lists
 sizes that hit each of them.
 """
 
-import re
 
 import pytest
 import torch
@@ -17,7 +16,18 @@ from torch import nn
 
 import fused_ops
 from fused_ops import reference
-from fused_test_utils import DEVICE_PARAMS, DTYPES, TOL, requires_cuda, sync, tol
+from fused_test_utils import (
+    DEVICE_PARAMS,
+    DTYPES,
+    TOL,
+    arg_modifier,
+    check_error_names,
+    outputs_per_thread_count,
+    requires_cuda,
+    run_with_baseline_isa,
+    sync,
+    tol,
+)
 
 OP = torch.ops.fused_ops.vae_elbo.default
 ENTRIES = [
@@ -352,14 +362,7 @@ def test_deterministic_repeated_calls(B, dtype, device):
 
 def test_deterministic_across_thread_counts():
     args = make_inputs(1000, 100, 64, 8)
-    saved = torch.get_num_threads()
-    try:
-        results = {}
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            results[threads] = fused(*args)
-    finally:
-        torch.set_num_threads(saved)
+    results = outputs_per_thread_count(lambda: fused(*args), (1, 2, 3))
     for out in results.values():
         assert_outputs_equal(out, results[1])
 
@@ -370,13 +373,7 @@ def test_deterministic_across_thread_counts():
 
 
 def _bad(**changes):
-    def apply(args):
-        args = dict(zip(ARG_NAMES, args))
-        for name, fn in changes.items():
-            args[name] = fn(args[name])
-        return [args[n] for n in ARG_NAMES]
-
-    return apply
+    return arg_modifier(ARG_NAMES, **changes)
 
 
 # Valid arguments: B=6, I=5, H=7, L=3.  (id, modifier, argument named, expected text)
@@ -410,12 +407,6 @@ BAD_INPUTS = [
 ]
 
 
-def _check_error(excinfo, arg, expected):
-    msg = str(excinfo.value)
-    assert re.search(rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])", msg), f"message does not name {arg!r}: {msg}"
-    assert re.search(expected, msg), f"message does not say {expected!r}: {msg}"
-
-
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("modify,arg,expected", [pytest.param(*c[1:], id=c[0]) for c in BAD_INPUTS])
 def test_bad_inputs(modify, arg, expected, entry, device):
@@ -423,7 +414,7 @@ def test_bad_inputs(modify, arg, expected, entry, device):
     with pytest.raises((RuntimeError, ValueError)) as excinfo:
         entry(*args)
         sync(device)
-    _check_error(excinfo, arg, expected)
+    check_error_names(excinfo, arg, expected)
 
 
 @requires_cuda
@@ -435,7 +426,7 @@ def test_cpu_cuda_mix(cpu_arg):
     with pytest.raises((RuntimeError, ValueError)) as excinfo:
         fused(*args)
         torch.cuda.synchronize()
-    _check_error(excinfo, cpu_arg, r"device|cuda|cpu")
+    check_error_names(excinfo, cpu_arg, r"device|cuda|cpu")
 
 
 # ---------------------------------------------------------------------------
@@ -656,30 +647,17 @@ def test_module_cuda_seeded():
 def test_cpu_baseline_isa_matches_reference(tmp_path):
     """The CPU kernel's BCE loop has an SSE2 baseline and an AVX2 build chosen
     at run time; ATEN_CPU_CAPABILITY=default forces the baseline."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "baseline.py"
-    script.write_text(
-        "import torch, fused_ops\n"
-        "from fused_ops import reference\n"
-        "torch.manual_seed(0)\n"
-        "for B, I, H, L in [(1, 5, 7, 3), (70, 784, 256, 32), (9, 37, 16, 5)]:\n"
-        "    for dt in (torch.float32, torch.float64):\n"
-        "        m = reference.VAE(I, H, L).to(dt)\n"
-        "        x, eps = torch.rand(B, I, dtype=dt), torch.randn(B, L, dtype=dt)\n"
-        "        with torch.no_grad():\n"
-        "            m.decoder[2].bias[::5] = 30.0\n"
-        "            want = m(x, eps)\n"
-        "            got = fused_ops.nn.VAE.from_reference(m)(x, eps)\n"
-        "        tol = 1e-4 if dt == torch.float32 else 1e-10\n"
-        "        for g, w in zip(got, want):\n"
-        "            torch.testing.assert_close(g, w, atol=tol, rtol=tol)\n"
-        "print('ok')\n"
+    run_with_baseline_isa(
+        tmp_path,
+        'for B, I, H, L in [(1, 5, 7, 3), (70, 784, 256, 32), (9, 37, 16, 5)]:\n'
+        '    for dt in (torch.float32, torch.float64):\n'
+        '        m = reference.VAE(I, H, L).to(dt)\n'
+        '        x, eps = torch.rand(B, I, dtype=dt), torch.randn(B, L, dtype=dt)\n'
+        '        with torch.no_grad():\n'
+        '            m.decoder[2].bias[::5] = 30.0\n'
+        '            want = m(x, eps)\n'
+        '            got = fused_ops.nn.VAE.from_reference(m)(x, eps)\n'
+        '        tol = 1e-4 if dt == torch.float32 else 1e-10\n'
+        '        for g, w in zip(got, want):\n'
+        '            torch.testing.assert_close(g, w, atol=tol, rtol=tol)',
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fused_ops.__file__)))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
