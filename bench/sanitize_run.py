@@ -145,6 +145,18 @@ IS_BACKWARD_CASES = [
 ]
 
 
+def is_inputs(n, d, k, dtype, device="cuda"):
+    """samples, mix_weights, mix_mus, mix_stds, q_mu, q_std of an importance-sampling problem."""
+    opts = dict(device=device, dtype=dtype)
+    x = torch.randn(n, d, **opts) * 3
+    w = torch.rand(k, **opts) + 0.1
+    mu = torch.randn(k, d, **opts) * 2
+    sd = torch.rand(k, d, **opts) + 0.5
+    qm = torch.randn(d, **opts)
+    qs = torch.rand(d, **opts) * 2 + 2
+    return x, w, mu, sd, qm, qs
+
+
 def run_is_backward():
     """fused_ops::importance_sampling_backward (one cooperative launch),
     checked against the reference's autograd."""
@@ -153,13 +165,7 @@ def run_is_backward():
     bwd = torch.ops.fused_ops.importance_sampling_backward.default
     for n, d, k, dtype, which in IS_BACKWARD_CASES:
         opts = dict(device="cuda", dtype=dtype)
-        x = torch.randn(n, d, **opts) * 3
-        w = torch.rand(k, **opts) + 0.1
-        mu = torch.randn(k, d, **opts) * 2
-        sd = torch.rand(k, d, **opts) + 0.5
-        qm = torch.randn(d, **opts)
-        qs = torch.rand(d, **opts) * 2 + 2
-        args = [t.requires_grad_() for t in (x, w, mu, sd, qm, qs)]
+        args = [t.requires_grad_() for t in is_inputs(n, d, k, dtype)]
         ups = [torch.randn(d, **opts), torch.randn((), **opts), torch.randn(n, **opts) / n**0.5]
         ups = [u if use else None for u, use in zip(ups, which)]
         with torch.no_grad():
@@ -233,15 +239,9 @@ def run_vae_backward():
 def run_importance_sampling():
     failures = 0
     for n, d, k, dtype in CASES:
-        opts = dict(device="cuda", dtype=dtype)
-        x = torch.randn(n, d, **opts) * 3
-        w = torch.rand(k, **opts) + 0.1
-        mu = torch.randn(k, d, **opts) * 2
-        sd = torch.rand(k, d, **opts) + 0.5
-        qm = torch.randn(d, **opts)
-        qs = torch.rand(d, **opts) * 2 + 2
-        got = fused_ops.importance_sampling(x, w, mu, sd, qm, qs)
-        want = reference.importance_sampling(x, w, mu, sd, qm, qs)
+        args = is_inputs(n, d, k, dtype)
+        got = fused_ops.importance_sampling(*args)
+        want = reference.importance_sampling(*args)
         ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
         failures += not ok
         print(f"N={n} D={d} K={k} {dtype}: {'ok' if ok else 'MISMATCH'}")
