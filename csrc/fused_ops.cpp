@@ -44,4 +44,19 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, Tensor w_logvar, "
       "Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, Tensor b_dec2) -> (Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // CPU only: vae_elbo that also returns the activations its backward needs
+  // (csrc/vae_elbo.h, VaeSavedLayout), and that backward, which reads them
+  // instead of recomputing the forward; grad_x is computed only when asked
+  // for (an empty tensor otherwise).  fused_ops.vae_elbo routes CPU calls
+  // that need gradients here.
+  m.def(
+      "vae_elbo_train(Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, "
+      "Tensor b_mu, Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, "
+      "Tensor w_dec2, Tensor b_dec2) -> (Tensor elbo, Tensor recon, Tensor kl, Tensor saved)");
+  m.def(
+      "vae_elbo_train_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl, "
+      "Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, "
+      "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
+      "Tensor b_dec2, Tensor saved, bool compute_grad_x) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

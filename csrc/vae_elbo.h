@@ -118,4 +118,43 @@ struct VaeElboCall : VaeElboInputs {
   VaeElboResult result() const { return {elbo, recon, kl}; }
 };
 
+// ---------------------------------------------------------------------------
+// vae_elbo_train (CPU): the forward that also keeps its activations
+// ---------------------------------------------------------------------------
+//
+// On the CPU the products are BLAS-bound, so recomputing the forward in the
+// backward costs as much as the forward itself; when autograd needs the
+// backward, vae_elbo_train runs the same kernel and keeps the activations
+// the backward would recompute, in one flat buffer of planar sections:
+//   h [B, H] (after ReLU) | ml [B, 2L] (mu, logvar) | z [B, L] |
+//   g [B, H] (decoder hidden, after ReLU) | logits [B, I] (with bias)
+struct VaeSavedLayout {
+  int64_t h, ml, z, g, logits, total;  // section offsets, total size, in elements
+
+  VaeSavedLayout(int64_t B, int64_t I, int64_t H, int64_t L)
+      : h(0),
+        ml(h + B * H),
+        z(ml + B * 2 * L),
+        g(z + B * L),
+        logits(g + B * H),
+        total(logits + B * I) {}
+};
+
+using VaeElboTrainResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+struct VaeElboTrainCall : VaeElboCall {
+  Tensor saved;
+
+  VaeElboTrainCall(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_,
+                   const Tensor& b_enc_, const Tensor& w_mu_, const Tensor& b_mu_,
+                   const Tensor& w_logvar_, const Tensor& b_logvar_, const Tensor& w_dec1_,
+                   const Tensor& b_dec1_, const Tensor& w_dec2_, const Tensor& b_dec2_)
+      : VaeElboCall(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_, b_logvar_, w_dec1_,
+                    b_dec1_, w_dec2_, b_dec2_) {
+    saved = empty_like_device(x_, {VaeSavedLayout(B, I, H, L).total});
+  }
+
+  VaeElboTrainResult result() const { return {elbo, recon, kl, saved}; }
+};
+
 }  // namespace fused_ops

@@ -31,7 +31,7 @@ struct VaeElboBackwardCall : VaeElboInputs {
                       const Tensor& w_enc_, const Tensor& b_enc_, const Tensor& w_mu_,
                       const Tensor& b_mu_, const Tensor& w_logvar_, const Tensor& b_logvar_,
                       const Tensor& w_dec1_, const Tensor& b_dec1_, const Tensor& w_dec2_,
-                      const Tensor& b_dec2_)
+                      const Tensor& b_dec2_, bool with_grad_x = true)
       : VaeElboInputs(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_, b_logvar_, w_dec1_,
                       b_dec1_, w_dec2_, b_dec2_) {
     auto grad = [&](const std::optional<Tensor>& g, const char* name) -> std::optional<Tensor> {
@@ -44,7 +44,9 @@ struct VaeElboBackwardCall : VaeElboInputs {
     g_elbo = grad(grad_elbo, "grad_elbo");
     g_recon = grad(grad_recon, "grad_recon");
     g_kl = grad(grad_kl, "grad_kl");
-    gx = empty_like_device(x_, {B, I});
+    // Without grad_x (vae_elbo_train_backward when x needs no gradient) it
+    // comes back as an empty tensor.
+    gx = with_grad_x ? empty_like_device(x_, {B, I}) : empty_like_device(x_, {0});
     geps = empty_like_device(x_, {B, L});
     gw_enc = empty_like_device(x_, {H, I});
     gb_enc = empty_like_device(x_, {H});

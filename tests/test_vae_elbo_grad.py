@@ -291,3 +291,89 @@ def test_compile_training_step_matches_reference(device):
         opt_r.step()
         for (n, a), b in zip(fm.named_parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# The CPU training pair: vae_elbo_train keeps the activations,
+# vae_elbo_train_backward reads them instead of recomputing the forward
+# ---------------------------------------------------------------------------
+
+TRAIN = torch.ops.fused_ops.vae_elbo_train.default
+TRAIN_BWD = torch.ops.fused_ops.vae_elbo_train_backward.default
+
+
+def test_cpu_calls_that_need_grad_take_the_training_pair():
+    args = make_inputs(5, 6, 7, 3, requires_grad=True)
+    assert "vae_elbo_train" in type(fused(*args)[0].grad_fn).__name__
+    with torch.no_grad():
+        assert fused(*args)[0].grad_fn is None
+    plain = [a.detach() for a in args]
+    assert fused(*plain)[0].grad_fn is None
+
+
+@requires_cuda
+def test_cuda_calls_keep_the_recomputing_backward():
+    args = make_inputs(5, 6, 7, 3, device="cuda", requires_grad=True)
+    name = type(fused(*args)[0].grad_fn).__name__
+    assert "vae_elbo" in name and "vae_elbo_train" not in name, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("B,I,H,L", [(130, 784, 256, 32), (1, 5, 7, 3), (67, 33, 16, 5)])
+def test_train_pair_matches_recomputing_backward(B, I, H, L, dtype):
+    # Same losses as vae_elbo (bitwise: the same kernel), and the same
+    # gradients as vae_elbo_backward, which recomputes what the pair saves.
+    args = make_inputs(B, I, H, L, dtype=dtype)
+    ups = [torch.randn(B, dtype=dtype) for _ in range(3)]
+    *losses, saved = TRAIN(*args)
+    assert saved.shape == (B * (2 * H + 3 * L + I),)
+    for n, a, b in zip(OUT_NAMES, losses, torch.ops.fused_ops.vae_elbo.default(*args)):
+        assert torch.equal(a, b), n
+    got = TRAIN_BWD(*ups, *args, saved, True)
+    want = BWD(*ups, *args)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for n, a, b in zip(ARG_NAMES, got, want):
+        scale = max(b.abs().max().item(), 1.0)
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * scale,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_train_backward_without_grad_x():
+    # compute_grad_x=False: grad_x comes back empty, the rest bitwise as with it.
+    args = make_inputs(70, 20, 16, 4)
+    ups = [torch.randn(70) for _ in range(3)]
+    saved = TRAIN(*args)[3]
+    with_x = TRAIN_BWD(*ups, *args, saved, True)
+    without_x = TRAIN_BWD(*ups, *args, saved, False)
+    assert without_x[0].shape == (0,) and with_x[0].shape == (70, 20)
+    for n, a, b in zip(ARG_NAMES[1:], without_x[1:], with_x[1:]):
+        assert torch.equal(a, b), n
+    x = args[0].clone().requires_grad_(False)
+    params = [a.clone().requires_grad_() for a in args[2:]]
+    elbo = fused(x, args[1], *params)[0]
+    grads = torch.autograd.grad(elbo.sum(), params)
+    want = BWD(torch.ones(70), None, None, *args)[2:]
+    for n, a, b in zip(ARG_NAMES[2:], grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(b.abs().max().item(), 1.0),
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_train_backward_rejects_a_wrong_saved_buffer():
+    args = make_inputs(4, 6, 5, 3)
+    saved = TRAIN(*args)[3]
+    with pytest.raises(RuntimeError, match=r"saved must hold .* = 100 elements"):
+        TRAIN_BWD(torch.ones(4), None, None, *args, saved[:-1], True)
+    with pytest.raises(RuntimeError, match="saved must have the same dtype"):
+        TRAIN_BWD(torch.ones(4), None, None, *args, saved.double(), True)
+
+
+@pytest.mark.parametrize("compute_grad_x", [True, False])
+def test_opcheck_train_pair(compute_grad_x):
+    args = make_inputs(6, 5, 7, 3, dtype=torch.float64, requires_grad=True)
+    result = torch.library.opcheck(TRAIN, tuple(args))
+    assert all(v == "SUCCESS" for v in result.values()), result
+    plain = [a.detach() for a in args]
+    saved = TRAIN(*plain)[3]
+    g = torch.randn(6, dtype=torch.float64)
+    result = torch.library.opcheck(TRAIN_BWD, (g, None, g, *plain, saved, compute_grad_x))
+    assert all(v == "SUCCESS" for v in result.values()), result

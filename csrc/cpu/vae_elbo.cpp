@@ -7,7 +7,8 @@
 // stacked), each followed by a fused epilogue -- bias + ReLU, the
 // reparameterisation and the KL row sums, and sigmoid + clamped BCE + the
 // reconstruction row sums.  Neither the decoder output nor p is ever written
-// out as a tensor.  Inside the parallel loop the BLAS calls run single-threaded
+// out as a tensor, except by vae_elbo_train (the same kernel), which copies
+// each block's activations into the buffer its backward reads.  Inside the parallel loop the BLAS calls run single-threaded
 // on each block.
 //
 // BCE follows PyTorch exactly: p = 1 / (1 + exp(-a)), then
@@ -41,6 +42,7 @@ struct Args {
   const T *x, *eps, *w_enc, *b_enc, *w_mulv, *b_mulv, *w_dec1, *b_dec1, *w_dec2, *b_dec2;
   int64_t B, I, H, L;
   T *elbo, *recon, *kl;
+  T* saved;  // vae_elbo_train: the activations, laid out as VaeSavedLayout; else nullptr
 };
 
 // out[r, j] = in[r, :] . w[j, :] for r < rows, j < n (row-major, w is [n, k]),
@@ -167,12 +169,17 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t r0 = c * kRows, rows = std::min(a.B, r0 + kRows) - r0;
     const T* x = a.x + r0 * I;
-    linear_nobias(x, a.w_enc, h.data(), rows, H, I);
-    bias_relu(h.data(), a.b_enc, rows, H);
-    linear_nobias(h.data(), a.w_mulv, ml.data(), rows, 2 * L, H);
+    T* hb = h.data();
+    T* mlb = ml.data();
+    T* zb = z.data();
+    T* gb = g.data();
+    T* lgb = logits.data();
+    linear_nobias(x, a.w_enc, hb, rows, H, I);
+    bias_relu(hb, a.b_enc, rows, H);
+    linear_nobias(hb, a.w_mulv, mlb, rows, 2 * L, H);
     // exp(0.5 logvar) and exp(logvar) for the whole block in vector loops.
     for (int64_t r = 0; r < rows; ++r) {
-      T* m = ml.data() + r * 2 * L;
+      T* m = mlb + r * 2 * L;
       for (int64_t l = 0; l < L; ++l) {
         m[l] += a.b_mulv[l];
         m[L + l] += a.b_mulv[L + l];
@@ -182,10 +189,10 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
     }
     exp_inplace<T, VB>(ex.data(), 2 * rows * L);
     for (int64_t r = 0; r < rows; ++r) {
-      const T* m = ml.data() + r * 2 * L;
+      const T* m = mlb + r * 2 * L;
       const T* e = a.eps + (r0 + r) * L;
       const T* exr = ex.data() + 2 * r * L;
-      T* zr = z.data() + r * L;
+      T* zr = zb + r * L;
       acc_t kl_sum = 0;
       for (int64_t l = 0; l < L; ++l) {
         const T mu = m[l], lv = m[L + l];
@@ -194,15 +201,26 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
       }
       a.kl[r0 + r] = T(-0.5) * T(kl_sum);
     }
-    linear_nobias(z.data(), a.w_dec1, g.data(), rows, H, L);
-    bias_relu(g.data(), a.b_dec1, rows, H);
-    linear_nobias(g.data(), a.w_dec2, logits.data(), rows, I, H);
+    linear_nobias(zb, a.w_dec1, gb, rows, H, L);
+    bias_relu(gb, a.b_dec1, rows, H);
+    linear_nobias(gb, a.w_dec2, lgb, rows, I, H);
     for (int64_t r = 0; r < rows; ++r) {
-      T* lr = logits.data() + r * I;
+      T* lr = lgb + r * I;
       for (int64_t i = 0; i < I; ++i) lr[i] += a.b_dec2[i];
       const T recon = T(bce_row<T, VB>(lr, x + r * I, I));
       a.recon[r0 + r] = recon;
       a.elbo[r0 + r] = -(recon + a.kl[r0 + r]);
+    }
+    if (a.saved) {
+      // Copied out after the block rather than computed in place: the BLAS
+      // then sees the same buffers as for vae_elbo, so the losses are
+      // bitwise the same (its rounding can depend on buffer alignment).
+      const VaeSavedLayout lay(a.B, I, H, L);
+      std::copy_n(hb, rows * H, a.saved + lay.h + r0 * H);
+      std::copy_n(mlb, rows * 2 * L, a.saved + lay.ml + r0 * 2 * L);
+      std::copy_n(zb, rows * L, a.saved + lay.z + r0 * L);
+      std::copy_n(gb, rows * H, a.saved + lay.g + r0 * H);
+      std::copy_n(lgb, rows * I, a.saved + lay.logits + r0 * I);
     }
   }
 }
@@ -220,7 +238,7 @@ FUSED_OPS_TARGET_AVX2 void block_range_avx2(const Args<T>& a, int64_t c0, int64_
 #endif
 
 template <typename T>
-void vae_elbo_kernel(const VaeElboCall& c) {
+void vae_elbo_kernel(const VaeElboCall& c, T* saved = nullptr) {
   if (c.B == 0) return;
   const int64_t H = c.H, L = c.L;
   // mu and logvar in one product: their weights stacked as [2L, H].
@@ -234,7 +252,7 @@ void vae_elbo_kernel(const VaeElboCall& c) {
                   c.w_dec1.const_data_ptr<T>(), c.b_dec1.const_data_ptr<T>(), c.w_dec2.const_data_ptr<T>(),
                   c.b_dec2.const_data_ptr<T>(), c.B,                    c.I,
                   c.H,                    c.L,                    c.elbo.mutable_data_ptr<T>(),
-                  c.recon.mutable_data_ptr<T>(),  c.kl.mutable_data_ptr<T>()};
+                  c.recon.mutable_data_ptr<T>(),  c.kl.mutable_data_ptr<T>(), saved};
   auto* range = &block_range_baseline<T>;
 #if FUSED_OPS_HAVE_AVX2_CLONE
   if (cpu::cpu_has_avx2()) range = &block_range_avx2<T>;
@@ -253,8 +271,25 @@ VaeElboResult vae_elbo_cpu(const Tensor& x, const Tensor& eps, const Tensor& w_e
   return c.result();
 }
 
+VaeElboTrainResult vae_elbo_train_cpu(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+                                      const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
+                                      const Tensor& w_logvar, const Tensor& b_logvar,
+                                      const Tensor& w_dec1, const Tensor& b_dec1,
+                                      const Tensor& w_dec2, const Tensor& b_dec2) {
+  VaeElboTrainCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                     b_dec2);
+  dispatch_float(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    vae_elbo_kernel<T>(c, c.saved.mutable_data_ptr<T>());
+  });
+  return c.result();
+}
+
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cpu)); }
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
+  m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cpu));
+  m.impl("vae_elbo_train", TORCH_BOX(&vae_elbo_train_cpu));
+}
 
 }  // namespace fused_ops

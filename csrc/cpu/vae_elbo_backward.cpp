@@ -1,4 +1,10 @@
-// CPU kernel of fused_ops::vae_elbo_backward (the backward of vae_elbo).
+// CPU kernels of fused_ops::vae_elbo_backward (the backward of vae_elbo) and
+// fused_ops::vae_elbo_train_backward (the backward of vae_elbo_train).  They
+// share everything but stage 1's first step: vae_elbo_backward recomputes
+// the forward's activations, vae_elbo_train_backward reads them from the
+// buffer vae_elbo_train saved (VaeSavedLayout) and may skip grad_x (and its
+// product with w_enc) when x needs no gradient -- on the CPU the recomputed
+// products cost as much as the forward itself.
 //
 // Stage 1, in parallel over blocks of kRows samples (fixed, never derived
 // from the thread count): each block recomputes its forward activations
@@ -40,8 +46,12 @@ struct BwdArgs {
   int64_t B, I, H, L;
   // batch-sized scratch
   T *ga3, *g, *ga2, *z, *gml, *h, *ga1;
-  // outputs written in stage 1
+  // outputs written in stage 1 (gx: nullptr when grad_x is not wanted)
   T *gx, *geps;
+  // vae_elbo_train_backward: the forward's activations (VaeSavedLayout), read
+  // instead of recomputed; nullptr for vae_elbo_backward.  h, g and z above
+  // then point into it (read only).
+  const T* saved;
 };
 
 template <typename T>
@@ -56,8 +66,13 @@ void block(const BwdArgs<T>& a, int64_t c) {
   T* ga2 = a.ga2 + r0 * H;
   T* gml = a.gml + r0 * 2 * L;
   T* ga1 = a.ga1 + r0 * H;
-  T* gx = a.gx + r0 * I;
-  std::vector<T> ml(rows * 2 * L), sd(rows * L), gz(rows * L), t(rows * I);
+  T* gx = a.gx ? a.gx + r0 * I : nullptr;
+  const bool recompute = a.saved == nullptr;
+  const VaeSavedLayout lay(a.B, I, H, L);
+  std::vector<T> ml_local(recompute ? rows * 2 * L : 0), sd(rows * L), gz(rows * L),
+      t(a.gx ? rows * I : 0);
+  const T* ml = recompute ? ml_local.data() : a.saved + lay.ml + r0 * 2 * L;
+  const T* logits = recompute ? ga3 : a.saved + lay.logits + r0 * I;
   auto bias_relu = [](T* v, const T* b, int64_t rows_, int64_t n) {
     for (int64_t r = 0; r < rows_; ++r) {
       T* row = v + r * n;
@@ -67,24 +82,31 @@ void block(const BwdArgs<T>& a, int64_t c) {
       }
     }
   };
-  // ---- forward recompute
-  linear_nt(x, I, a.w_enc, I, h, H, rows, H, I);
-  bias_relu(h, a.b_enc, rows, H);
-  linear_nt(h, H, a.w_mulv, H, ml.data(), 2 * L, rows, 2 * L, H);
-  for (int64_t r = 0; r < rows; ++r) {
-    T* m = ml.data() + r * 2 * L;
-    const T* e = a.eps + (r0 + r) * L;
-    for (int64_t l = 0; l < L; ++l) {
-      m[l] += a.b_mulv[l];
-      m[L + l] += a.b_mulv[L + l];
-      const T s = std::exp(T(0.5) * m[L + l]);
-      sd[r * L + l] = s;
-      z[r * L + l] = m[l] + s * e[l];
+  if (recompute) {
+    // ---- forward recompute (h, g, z land in the batch-sized buffers, the
+    // logits without bias in ga3)
+    linear_nt(x, I, a.w_enc, I, h, H, rows, H, I);
+    bias_relu(h, a.b_enc, rows, H);
+    linear_nt(h, H, a.w_mulv, H, ml_local.data(), 2 * L, rows, 2 * L, H);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* m = ml_local.data() + r * 2 * L;
+      const T* e = a.eps + (r0 + r) * L;
+      for (int64_t l = 0; l < L; ++l) {
+        m[l] += a.b_mulv[l];
+        m[L + l] += a.b_mulv[L + l];
+        const T s = std::exp(T(0.5) * m[L + l]);
+        sd[r * L + l] = s;
+        z[r * L + l] = m[l] + s * e[l];
+      }
+    }
+    linear_nt(z, L, a.w_dec1, L, g, H, rows, H, L);
+    bias_relu(g, a.b_dec1, rows, H);
+    linear_nt(g, H, a.w_dec2, H, ga3, I, rows, I, H);
+  } else {
+    for (int64_t k = 0; k < rows * L; ++k) {
+      sd[k] = std::exp(T(0.5) * ml[(k / L) * 2 * L + L + k % L]);
     }
   }
-  linear_nt(z, L, a.w_dec1, L, g, H, rows, H, L);
-  bias_relu(g, a.b_dec1, rows, H);
-  linear_nt(g, H, a.w_dec2, H, ga3, I, rows, I, H);
   // ---- BCE + sigmoid backward (PyTorch's formulas and clamp)
   const T kEps = T(1e-12);
   for (int64_t r = 0; r < rows; ++r) {
@@ -94,10 +116,11 @@ void block(const BwdArgs<T>& a, int64_t c) {
     if (a.g_elbo) dr = -a.g_elbo[b];
     if (a.g_recon) dr = a.g_elbo ? dr + a.g_recon[b] : a.g_recon[b];
     T* gar = ga3 + r * I;
-    T* gxr = gx + r * I;
+    const T* lr = logits + r * I;  // == gar when recomputed (then still without bias)
+    T* gxr = a.gx ? gx + r * I : nullptr;
     const T* xr = x + r * I;
     for (int64_t i = 0; i < I; ++i) {
-      const T av = gar[i] + a.b_dec2[i];
+      const T av = recompute ? lr[i] + a.b_dec2[i] : lr[i];
       const T p = T(1) / (T(1) + std::exp(-av));
       const T q = T(1) - p;
       const T den = std::max(q * p, kEps);
@@ -105,7 +128,7 @@ void block(const BwdArgs<T>& a, int64_t c) {
       gar[i] = gp * q * p;
       // BCE's target gradient -logit(p) * d_recon; a zero upstream adds
       // exactly zero (no 0 * inf at saturated p).
-      gxr[i] = (has_recon && dr != T(0)) ? -std::log(p / q) * dr : T(0);
+      if (gxr) gxr[i] = (has_recon && dr != T(0)) ? -std::log(p / q) * dr : T(0);
     }
   }
   // ---- decoder backward
@@ -119,7 +142,7 @@ void block(const BwdArgs<T>& a, int64_t c) {
     T dk = T(0);
     if (a.g_elbo) dk = -a.g_elbo[b];
     if (a.g_kl) dk = a.g_elbo ? dk + a.g_kl[b] : a.g_kl[b];
-    const T* m = ml.data() + r * 2 * L;
+    const T* m = ml + r * 2 * L;
     const T* e = a.eps + b * L;
     T* gm = gml + r * 2 * L;
     T* ge = a.geps + b * L;
@@ -134,8 +157,10 @@ void block(const BwdArgs<T>& a, int64_t c) {
   matmul(gml, 2 * L, 1, a.w_mulv, H, 1, ga1, H, rows, H, 2 * L);
   for (int64_t k = 0; k < rows * H; ++k)
     if (!(h[k] > T(0))) ga1[k] = T(0);
-  matmul(ga1, H, 1, a.w_enc, I, 1, t.data(), I, rows, I, H);
-  for (int64_t k = 0; k < rows * I; ++k) gx[k] += t[k];
+  if (a.gx) {
+    matmul(ga1, H, 1, a.w_enc, I, 1, t.data(), I, rows, I, H);
+    for (int64_t k = 0; k < rows * I; ++k) gx[k] += t[k];
+  }
 }
 
 // out[j] = sum_r in[r * ld + j] for j < n, rows in order (double accumulation),
@@ -153,7 +178,7 @@ void column_sums(const T* in, int64_t ld, int64_t rows, int64_t n, T* out) {
 }
 
 template <typename T>
-void vae_elbo_backward_kernel(const VaeElboBackwardCall& c) {
+void vae_elbo_backward_kernel(const VaeElboBackwardCall& c, const T* saved = nullptr) {
   const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
   if (B == 0) {
     for (const Tensor* t : {&c.gw_enc, &c.gb_enc, &c.gw_mu, &c.gb_mu, &c.gw_logvar, &c.gb_logvar,
@@ -166,7 +191,14 @@ void vae_elbo_backward_kernel(const VaeElboBackwardCall& c) {
   std::copy_n(c.w_logvar.const_data_ptr<T>(), L * H, w_mulv.begin() + L * H);
   std::copy_n(c.b_mu.const_data_ptr<T>(), L, b_mulv.begin());
   std::copy_n(c.b_logvar.const_data_ptr<T>(), L, b_mulv.begin() + L);
-  std::vector<T> ga3(B * I), g(B * H), ga2(B * H), z(B * L), gml(B * 2 * L), h(B * H), ga1(B * H);
+  // h, g, z: recomputed into scratch, or read from the forward's saved activations.
+  const int64_t recomputed = saved ? 0 : B;
+  std::vector<T> ga3(B * I), g(recomputed * H), ga2(B * H), z(recomputed * L), gml(B * 2 * L),
+      h(recomputed * H), ga1(B * H);
+  const VaeSavedLayout lay(B, I, H, L);
+  T* h_ptr = saved ? const_cast<T*>(saved + lay.h) : h.data();
+  T* g_ptr = saved ? const_cast<T*>(saved + lay.g) : g.data();
+  T* z_ptr = saved ? const_cast<T*>(saved + lay.z) : z.data();
   BwdArgs<T> a{VaeElboBackwardCall::ptr<T>(c.g_elbo),
                VaeElboBackwardCall::ptr<T>(c.g_recon),
                VaeElboBackwardCall::ptr<T>(c.g_kl),
@@ -181,8 +213,9 @@ void vae_elbo_backward_kernel(const VaeElboBackwardCall& c) {
                c.w_dec2.const_data_ptr<T>(),
                c.b_dec2.const_data_ptr<T>(),
                B, I, H, L,
-               ga3.data(), g.data(), ga2.data(), z.data(), gml.data(), h.data(), ga1.data(),
-               c.gx.mutable_data_ptr<T>(), c.geps.mutable_data_ptr<T>()};
+               ga3.data(), g_ptr, ga2.data(), z_ptr, gml.data(), h_ptr, ga1.data(),
+               c.gx.numel() ? c.gx.mutable_data_ptr<T>() : nullptr, c.geps.mutable_data_ptr<T>(),
+               saved};
   const int64_t blocks = (B + kRows - 1) / kRows;
   torch::stable::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t k = c0; k < c1; ++k) block(a, k);
@@ -212,10 +245,33 @@ VaeElboBackwardResult vae_elbo_backward_cpu(
   return c.result();
 }
 
+VaeElboBackwardResult vae_elbo_train_backward_cpu(
+    const std::optional<Tensor>& grad_elbo, const std::optional<Tensor>& grad_recon,
+    const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+    const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
+    const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
+    const Tensor& b_dec2, const Tensor& saved, bool compute_grad_x) {
+  VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
+                        w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, compute_grad_x);
+  const int64_t expected = VaeSavedLayout(c.B, c.I, c.H, c.L).total;
+  check_rank(saved, "saved", 1, "[B * (2H + 3L + I)], vae_elbo_train's fourth output");
+  FUSED_OPS_CHECK(saved.size(0) == expected, "saved must hold B * (2H + 3L + I) = ", expected,
+                  " elements (vae_elbo_train's fourth output for these inputs), got shape ",
+                  shape_str(saved));
+  check_same_float_dtype_and_device({{x, "x"}, {saved, "saved"}});
+  const Tensor saved_c = as_contiguous(saved);
+  dispatch_float(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    vae_elbo_backward_kernel<T>(c, saved_c.const_data_ptr<T>());
+  });
+  return c.result();
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
   m.impl("vae_elbo_backward", TORCH_BOX(&vae_elbo_backward_cpu));
+  m.impl("vae_elbo_train_backward", TORCH_BOX(&vae_elbo_train_backward_cpu));
 }
 
 }  // namespace fused_ops
