@@ -92,7 +92,6 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
 importance_sampling_backward_kernel(const BackwardArgs<T> a) {
   extern __shared__ __align__(16) char smem_raw[];
-  __shared__ T reduce_t[kWarps];
   __shared__ double reduce_d[kWarps];
   __shared__ double partial[2 * kThreads];
 
