@@ -372,9 +372,10 @@ def _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1,
 
 def _vae_elbo_setup_context(ctx, inputs, output):
     # Saves the 12 inputs only -- no activations: the backward op recomputes
-    # h, mu, logvar, z, the decoder hidden layer and p (one extra forward's
-    # products, cheaper than keeping B * (2H + 3L + I) activations alive
-    # between forward and backward).
+    # h, mu, logvar, z, the decoder hidden layer and p (on CUDA one extra
+    # forward's products, cheaper than keeping B * (2H + 3L + I) activations
+    # alive between forward and backward; CPU calls that need gradients go
+    # through vae_elbo_train, which keeps them, see vae_elbo).
     ctx.save_for_backward(*inputs)
 
 

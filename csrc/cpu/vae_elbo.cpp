@@ -169,17 +169,12 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t r0 = c * kRows, rows = std::min(a.B, r0 + kRows) - r0;
     const T* x = a.x + r0 * I;
-    T* hb = h.data();
-    T* mlb = ml.data();
-    T* zb = z.data();
-    T* gb = g.data();
-    T* lgb = logits.data();
-    linear_nobias(x, a.w_enc, hb, rows, H, I);
-    bias_relu(hb, a.b_enc, rows, H);
-    linear_nobias(hb, a.w_mulv, mlb, rows, 2 * L, H);
+    linear_nobias(x, a.w_enc, h.data(), rows, H, I);
+    bias_relu(h.data(), a.b_enc, rows, H);
+    linear_nobias(h.data(), a.w_mulv, ml.data(), rows, 2 * L, H);
     // exp(0.5 logvar) and exp(logvar) for the whole block in vector loops.
     for (int64_t r = 0; r < rows; ++r) {
-      T* m = mlb + r * 2 * L;
+      T* m = ml.data() + r * 2 * L;
       for (int64_t l = 0; l < L; ++l) {
         m[l] += a.b_mulv[l];
         m[L + l] += a.b_mulv[L + l];
@@ -189,10 +184,10 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
     }
     exp_inplace<T, VB>(ex.data(), 2 * rows * L);
     for (int64_t r = 0; r < rows; ++r) {
-      const T* m = mlb + r * 2 * L;
+      const T* m = ml.data() + r * 2 * L;
       const T* e = a.eps + (r0 + r) * L;
       const T* exr = ex.data() + 2 * r * L;
-      T* zr = zb + r * L;
+      T* zr = z.data() + r * L;
       acc_t kl_sum = 0;
       for (int64_t l = 0; l < L; ++l) {
         const T mu = m[l], lv = m[L + l];
@@ -201,11 +196,11 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
       }
       a.kl[r0 + r] = T(-0.5) * T(kl_sum);
     }
-    linear_nobias(zb, a.w_dec1, gb, rows, H, L);
-    bias_relu(gb, a.b_dec1, rows, H);
-    linear_nobias(gb, a.w_dec2, lgb, rows, I, H);
+    linear_nobias(z.data(), a.w_dec1, g.data(), rows, H, L);
+    bias_relu(g.data(), a.b_dec1, rows, H);
+    linear_nobias(g.data(), a.w_dec2, logits.data(), rows, I, H);
     for (int64_t r = 0; r < rows; ++r) {
-      T* lr = lgb + r * I;
+      T* lr = logits.data() + r * I;
       for (int64_t i = 0; i < I; ++i) lr[i] += a.b_dec2[i];
       const T recon = T(bce_row<T, VB>(lr, x + r * I, I));
       a.recon[r0 + r] = recon;
@@ -216,11 +211,11 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
       // then sees the same buffers as for vae_elbo, so the losses are
       // bitwise the same (its rounding can depend on buffer alignment).
       const VaeSavedLayout lay(a.B, I, H, L);
-      std::copy_n(hb, rows * H, a.saved + lay.h + r0 * H);
-      std::copy_n(mlb, rows * 2 * L, a.saved + lay.ml + r0 * 2 * L);
-      std::copy_n(zb, rows * L, a.saved + lay.z + r0 * L);
-      std::copy_n(gb, rows * H, a.saved + lay.g + r0 * H);
-      std::copy_n(lgb, rows * I, a.saved + lay.logits + r0 * I);
+      std::copy_n(h.data(), rows * H, a.saved + lay.h + r0 * H);
+      std::copy_n(ml.data(), rows * 2 * L, a.saved + lay.ml + r0 * 2 * L);
+      std::copy_n(z.data(), rows * L, a.saved + lay.z + r0 * L);
+      std::copy_n(g.data(), rows * H, a.saved + lay.g + r0 * H);
+      std::copy_n(logits.data(), rows * I, a.saved + lay.logits + r0 * I);
     }
   }
 }
