@@ -14,6 +14,7 @@
 #                        once (files dealt round-robin; one log per shard)
 #   SKIP_TESTS=1         no test stage (e.g. a sanitizer-only or timing-only run)
 #   SANITIZE_TOOLS=none  no compute-sanitizer stage
+#   KERNEL_ARGS="--train --ops vae"   arguments of the kernel-timing stage
 #   COMPARE_WITH=old.tar.gz COMPARE_ARGS="--device cuda --ops importance_sampling --no-compile"
 #       also builds that source tree (a `git archive` of another commit) in
 #       place and times it against the build under test in one process pair
@@ -130,7 +131,7 @@ if [[ -n "${COMPARE_WITH:-}" ]]; then
   fi
 fi
 if [[ -z "${SKIP_BENCH:-}" ]]; then
-stage kernels timeout 120 $PY -m bench.kernel_timing
+stage kernels timeout 120 $PY -m bench.kernel_timing ${KERNEL_ARGS:-}
 cat "$LOGS/kernels.log"
 stage bench timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" ${BENCH_ARGS:-}
 cat "$LOGS/bench.log"

@@ -2,7 +2,8 @@
 time a back-to-back caller sees, for every workload and size of the
 benchmark.
 
-    python -m bench.kernel_timing            # CUDA only
+    python -m bench.kernel_timing                      # CUDA only
+    python -m bench.kernel_timing --train --ops vae    # training steps (forward + backward)
 
 Kernel time comes from torch.profiler (sum of the CUDA kernels one call
 launches, averaged over calls); per-call time from torch.utils.benchmark, as
@@ -10,30 +11,43 @@ in bench.benchmark.  The gap between them is host work: argument checks,
 allocation, the Python custom-op and autograd wrappers, the launch itself.
 """
 
+import argparse
 import collections
+import contextlib
 import sys
 
 import torch
 import torch.utils.benchmark as tb
 from torch.profiler import ProfilerActivity, profile
 
-from bench.benchmark import WORKLOADS
+from bench.benchmark import WORKLOADS, make_train_step
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", action="store_true",
+                        help="time the fused training step (forward + loss + backward, as bench.benchmark --train)")
+    parser.add_argument("--ops", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel timing needs a CUDA device", file=sys.stderr)
         return 1
     torch.manual_seed(0)
     calls = 20
-    for workload in WORKLOADS.values():
+    for name in args.ops.split(","):
+        workload = WORKLOADS[name]
         if not workload.fused_available():
             continue
         for size, params in workload.sizes.items():
             reference = workload.make_reference(params).cuda()
-            fused = workload.build_fused(reference)
+            if args.train:
+                trainable = workload.build_trainable(reference.train())
+                fused = make_train_step(workload.build_fused_trainable(trainable), trainable.parameters(),
+                                        workload.train_loss, "none")
+            else:
+                fused = workload.build_fused(reference)
             inputs = tuple(t.cuda() for t in workload.make_inputs(params))
-            with torch.no_grad():
+            with contextlib.nullcontext() if args.train else torch.no_grad():
                 for _ in range(3):
                     fused(*inputs)
                 torch.cuda.synchronize()
@@ -47,7 +61,7 @@ def main() -> int:
                 if event.device_type == torch.autograd.DeviceType.CUDA:
                     kernels[event.name[:90]] += event.time_range.elapsed_us() / calls
             total = sum(kernels.values())
-            print(f"{workload.name}/{size} {params}: per call {wall.median * 1e6:.1f} us, "
+            print(f"{workload.name}{'_train' if args.train else ''}/{size} {params}: per call {wall.median * 1e6:.1f} us, "
                   f"kernels {total:.1f} us/call")
             for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:9.1f} us  {name}")

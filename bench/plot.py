@@ -28,6 +28,7 @@ VARIANT_COLORS = {
     "compile_ro": "#17becf",
     "torchdiffeq": "#9467bd",
     "fused": "#d62728",
+    "fused_compile_ro": "#ff9896",
 }
 FALLBACK_COLORS = ["#2ca02c", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22"]
 
@@ -39,9 +40,10 @@ def _variant_order(rows: List[Dict[str, Any]]) -> List[str]:
         for name, res in row.get("variants", {}).items():
             if res.get("status") in ("ok", "error") and name not in names:
                 names.append(name)
-    known = [n for n in VARIANT_COLORS if n in names and n != "fused"]
+    fused = [n for n in ("fused", "fused_compile_ro") if n in names]
+    known = [n for n in VARIANT_COLORS if n in names and n not in fused]
     others = [n for n in names if n not in VARIANT_COLORS]
-    return known + others + (["fused"] if "fused" in names else [])
+    return known + others + fused
 
 
 def plot_results(data: Dict[str, Any], path: Path) -> None:

@@ -200,10 +200,12 @@ def run_flow_backward():
     return failures
 
 
-# vae_elbo_backward (csrc/cuda/vae_elbo_backward.cu: one path, cuBLAS products
-# plus elementwise and column-sum kernels): (B, I, H, L, dtype, upstreams).
+# vae_elbo_backward (csrc/cuda/vae_elbo_backward.cu: the persistent one-launch
+# path up to 1.5e9 multiply-adds, else cuBLAS products plus elementwise and
+# column-sum kernels): (B, I, H, L, dtype, upstreams).
 VAE_BWD_CASES = [
     (128, 784, 256, 32, torch.float32, ("elbo", "recon", "kl")),  # default size
+    (2048, 784, 256, 32, torch.float32, ("elbo",)),  # cuBLAS path
     (37, 1000, 130, 17, torch.float32, ("elbo",)),  # odd sizes, partial column-sum blocks
     (5, 5, 7, 3, torch.float32, ("kl",)),  # tiny; recon upstream None
     (70, 33, 16, 5, torch.float64, ("recon", "kl")),  # float64; elbo upstream None

@@ -118,3 +118,18 @@ def test_train_ops_names_select_training_rows():
         benchmark.parse_args(["--ops", "vae_train,flow"])
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--optimizer", "adam"])
+
+
+def test_fused_compile_ro_sits_beside_fused_not_among_the_baselines():
+    """The fused module under reduce-overhead (CUDA runs) is a second fused
+    column: ordered after "fused", never a speed-up baseline."""
+    ok = {"status": "ok", "median_us": 10.0}
+    row = {"workload": "vae_train", "size": "default", "shape": "B=1", "mode": "train",
+           "variants": {"eager": {**ok, "median_us": 40.0}, "compile_ro": {**ok, "median_us": 20.0},
+                        "fused_compile_ro": {**ok, "median_us": 5.0}, "fused": ok}}
+    row["speedup"] = benchmark.speedups(row)
+    assert row["speedup"] == {"eager": 4.0, "compile_ro": 2.0}
+    assert benchmark.ordered_variants([row]) == ["eager", "compile_ro", "fused", "fused_compile_ro"]
+    headers, cells = benchmark.build_table([row], cuda=False)
+    assert "x fused_compile_ro" not in headers and "x fused" not in headers
+    assert cells[0][headers.index("fused_compile_ro")] == benchmark.format_us(5.0)

@@ -1,47 +1,63 @@
 // CUDA implementation of fused_ops::vae_elbo_backward (the backward of vae_elbo).
 //
-// The products run on cuBLAS through common/matmul.h (aten::mm.out on views of
-// raw buffers, on torch's current stream, no transposes copied); between them
-// small fused elementwise kernels apply the biases, activations and the
-// chain rule, and a column-sum kernel forms the bias gradients.  Launches, in
-// stream order (B rows, mm = one cuBLAS product):
-//   h   = x @ w_enc^T (mm); bias_relu                          [B, H]
-//   ml  = h @ [w_mu; w_logvar]^T (mm); latent_forward -> mu, logvar, z
-//   g   = z @ w_dec1^T (mm); bias_relu                         [B, H]
-//   a3  = g @ w_dec2^T (mm); bce_backward: a3 -> ga3 in place, gx = BCE target term
-//   gw_dec2 = ga3^T @ g (mm)
-//   ga2 = ga3 @ w_dec2 (mm); relu_mask(g)
-//   gw_dec1 = ga2^T @ z (mm)
-//   gz  = ga2 @ w_dec1 (mm); latent_backward -> [gmu, glv], geps
-//   gw_mu, gw_logvar = gmu^T @ h, glv^T @ h (2 mm)
-//   ga1 = [gmu, glv] @ [w_mu; w_logvar] (mm); relu_mask(h)
-//   gw_enc = ga1^T @ x (mm)
-//   column_sums: the five bias gradients (ga3, ga2, gmu, glv, ga1) in ONE launch
-//   t   = ga1 @ w_enc (mm, into a3's buffer); add: gx += t
-// 13 cuBLAS products, 9 kernels and 2 device copies ([w_mu; w_logvar]).
-// Column sums run in a fixed order (32 strided row partials per column in
-// double, then summed in order in shared memory), no atomics: results are
-// bitwise reproducible.  Numerics follow PyTorch's kernels: p = 1 / (1 +
-// exp(-a)); BCE backward (p - x) / max((1 - p) p, 1e-12); sigmoid backward
-// * (1 - p) * p; BCE target gradient -log(p / (1 - p)).
+// Two paths, chosen by the amount of work (multiply-adds of the products,
+// about B H (6 I + 8 L)):
 //
-// Workspace: B * (I + 4H + 6L) elements plus [w_mu; w_logvar] (2 L H).
+// * Persistent (up to kPersistentMaxMacs, i.e. training batches up to ~1000
+//   rows at 784-256-32): ONE cooperative launch that runs the whole chain
+//   below as nine phases separated by grid barriers, every product a set of
+//   32 x 32 tiles dealt to the blocks (cuda/tile_gemm.cuh) with the
+//   elementwise work fused into the tiles' epilogues.  At these sizes the
+//   GPU work is tens of microseconds, and the cuBLAS path's 24 host calls
+//   (each product a dispatcher call) cost more than that: a training step
+//   was host-bound.
+//     1  h   = relu(x @ w_enc^T + b_enc); [w_mu; w_logvar] copied side by side
+//     2  mu, logvar = h @ w_mu^T + b_mu, h @ w_logvar^T + b_logvar
+//     3  z   = mu + exp(0.5 logvar) eps
+//     4  g   = relu(z @ w_dec1^T + b_dec1)
+//     5  logits = g @ w_dec2^T + b_dec2 -> ga3 (BCE + sigmoid backward), gx = BCE target term
+//     6  gw_dec2 = ga3^T @ g;  ga2 = (ga3 @ w_dec2) * [g > 0];  gb_dec2
+//     7  gw_dec1 = ga2^T @ z;  gz = ga2 @ w_dec1 -> [gmu, glv], geps;  gb_dec1
+//     8  gw_mu, gw_logvar = gmu^T @ h, glv^T @ h;  ga1 = ([gmu, glv] @ [w_mu; w_logvar]) * [h > 0];
+//        gb_mu, gb_logvar
+//     9  gw_enc = ga1^T @ x;  gx += ga1 @ w_enc;  gb_enc
+//   Workspace: B (4H + I + 5L) elements plus 2 L H.
+//
+// * cuBLAS (larger): the same chain with the products on cuBLAS through
+//   common/matmul.h (aten::mm.out on views of raw buffers, on torch's current
+//   stream, no transposes copied) and small fused elementwise kernels between
+//   them: 13 products, 9 kernels and 2 device copies.
+//   Workspace: B * (I + 4H + 6L) elements plus [w_mu; w_logvar] (2 L H).
+//
+// Both paths: column (bias-gradient) sums in a fixed order in double, no
+// atomics, so results are bitwise reproducible.  Numerics follow PyTorch's
+// kernels: p = 1 / (1 + exp(-a)); BCE backward (p - x) / max((1 - p) p,
+// 1e-12); sigmoid backward * (1 - p) * p; BCE target gradient -log(p / (1 - p)).
 
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <optional>
 
 #include "common/matmul.h"
+#include "cuda/cooperative.cuh"
 #include "cuda/runtime.cuh"
+#include "cuda/tile_gemm.cuh"
 #include "vae_elbo_backward.h"
 
 namespace fused_ops {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kThreads = 256;
+// Largest amount of work (multiply-adds, B H (6 I + 8 L)) for the persistent
+// path: B = 1024 at 784-256-32 is 1.3e9.
+constexpr double kPersistentMaxMacs = 1.5e9;
 
 __device__ __forceinline__ float dexp(float v) { return expf(v); }
 __device__ __forceinline__ double dexp(double v) { return exp(v); }
@@ -188,6 +204,210 @@ __global__ void column_sums_kernel(const ColSumJobs<T> jobs) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// persistent path
+// ---------------------------------------------------------------------------
+
+template <typename T>
+struct PersistentArgs {
+  int64_t B, I, H, L;
+  const T *x, *eps, *w_enc, *b_enc, *w_mu, *b_mu, *w_lv, *b_lv, *w_d1, *b_d1, *w_d2, *b_d2;
+  const T *g_elbo, *g_recon, *g_kl;  // nullptr where None
+  T *gx, *geps, *gw_enc, *gb_enc, *gw_mu, *gb_mu, *gw_lv, *gb_lv, *gw_d1, *gb_d1, *gw_d2, *gb_d2;
+  // workspace: h, g, ga2, ga1 [B, H]; ml, gml [B, 2L]; z [B, L]; ga3 [B, I]; w_mulv [2L, H]
+  T *h, *ml, *z, *g, *ga3, *ga2, *gml, *ga1, *w_mulv;
+};
+
+// Tile epilogues: (m, n, value of the product at (m, n)).
+template <typename T>
+struct StoreTo {
+  T* c;
+  int64_t ldc;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v; }
+};
+
+template <typename T>
+struct AddTo {
+  T* c;
+  int64_t ldc;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] += v; }
+};
+
+template <typename T>
+struct AddBias {
+  T* c;
+  int64_t ldc;
+  const T* bias;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v + bias[n]; }
+};
+
+template <typename T>
+struct AddBiasRelu {
+  T* c;
+  int64_t ldc;
+  const T* bias;
+  __device__ void operator()(int64_t m, int64_t n, T v) const {
+    const T u = v + bias[n];
+    c[m * ldc + n] = u < T(0) ? T(0) : u;
+  }
+};
+
+// ReLU backward on the ReLU's output `act` (same layout as c).
+template <typename T>
+struct ReluMask {
+  T* c;
+  int64_t ldc;
+  const T* act;
+  __device__ void operator()(int64_t m, int64_t n, T v) const {
+    c[m * ldc + n] = act[m * ldc + n] > T(0) ? v : T(0);
+  }
+};
+
+// (b, i) of the logits before bias -> gradient at the logits (ga3) and BCE's
+// target gradient (gx), as bce_backward_kernel.
+template <typename T>
+struct BceBackward {
+  const T *b_dec2, *x, *g_elbo, *g_recon;
+  T *ga3, *gx;
+  int64_t I;
+  __device__ void operator()(int64_t b, int64_t i, T v) const {
+    const T dr = upstream(g_elbo, g_recon, b);
+    const T a = v + b_dec2[i];
+    const T p = T(1) / (T(1) + dexp(-a));
+    const T q = T(1) - p;
+    const T qp = q * p;
+    const T den = qp < T(1e-12) ? T(1e-12) : qp;
+    const T gp = dr * (p - x[b * I + i]) / den;
+    ga3[b * I + i] = gp * q * p;
+    gx[b * I + i] = dr != T(0) ? -dlog(p / q) * dr : T(0);
+  }
+};
+
+// (b, l) of the gradient at z -> [gmu, glv] and geps, as latent_backward_kernel.
+template <typename T>
+struct LatentBackward {
+  const T *ml, *eps, *g_elbo, *g_kl;
+  T *gml, *geps;
+  int64_t L;
+  __device__ void operator()(int64_t b, int64_t l, T gz) const {
+    const T dk = upstream(g_elbo, g_kl, b);
+    const T mu = ml[b * 2 * L + l], lv = ml[b * 2 * L + L + l];
+    const T s = dexp(T(0.5) * lv);
+    gml[b * 2 * L + l] = gz + dk * mu;
+    gml[b * 2 * L + L + l] = T(0.5) * (gz * eps[b * L + l] * s) + (T(-0.5) * dk) * (T(1) - dexp(lv));
+    geps[b * L + l] = gz * s;
+  }
+};
+
+// The nine phases of the header comment; grid.sync() between them.
+template <typename T>
+__global__ void __launch_bounds__(cuda::kTileThreads)
+    vae_elbo_backward_persistent_kernel(const PersistentArgs<T> p) {
+  using cuda::ColumnSumJob;
+  using cuda::gemm_job;
+  using cuda::run_phase;
+  using V = cuda::MatView<T>;
+  __shared__ cuda::PhaseSmem<T> smem;
+  cg::grid_group grid = cg::this_grid();
+  const int64_t B = p.B, I = p.I, H = p.H, L = p.L, L2 = 2 * p.L;
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
+
+  for (int64_t k = tid; k < L * H; k += nthreads) {
+    p.w_mulv[k] = p.w_mu[k];
+    p.w_mulv[L * H + k] = p.w_lv[k];
+  }
+  run_phase(smem, gemm_job(V{p.x, I, 1}, V{p.w_enc, 1, I}, B, H, I, AddBiasRelu<T>{p.h, H, p.b_enc}));
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.h, H, 1}, V{p.w_mu, 1, H}, B, L, H, AddBias<T>{p.ml, L2, p.b_mu}),
+            gemm_job(V{p.h, H, 1}, V{p.w_lv, 1, H}, B, L, H, AddBias<T>{p.ml + L, L2, p.b_lv}));
+  grid.sync();
+
+  for (int64_t k = tid; k < B * L; k += nthreads) {
+    const int64_t b = k / L, l = k % L;
+    p.z[k] = p.ml[b * L2 + l] + dexp(T(0.5) * p.ml[b * L2 + L + l]) * p.eps[k];
+  }
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.z, L, 1}, V{p.w_d1, 1, L}, B, H, L, AddBiasRelu<T>{p.g, H, p.b_d1}));
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.g, H, 1}, V{p.w_d2, 1, H}, B, I, H,
+                           BceBackward<T>{p.b_d2, p.x, p.g_elbo, p.g_recon, p.ga3, p.gx, I}));
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.ga3, 1, I}, V{p.g, H, 1}, I, H, B, StoreTo<T>{p.gw_d2, H}),
+            gemm_job(V{p.ga3, I, 1}, V{p.w_d2, H, 1}, B, H, I, ReluMask<T>{p.ga2, H, p.g}),
+            ColumnSumJob<T>{p.ga3, I, I, B, p.gb_d2});
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.ga2, 1, H}, V{p.z, L, 1}, H, L, B, StoreTo<T>{p.gw_d1, L}),
+            gemm_job(V{p.ga2, H, 1}, V{p.w_d1, L, 1}, B, L, H,
+                     LatentBackward<T>{p.ml, p.eps, p.g_elbo, p.g_kl, p.gml, p.geps, L}),
+            ColumnSumJob<T>{p.ga2, H, H, B, p.gb_d1});
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.gml, 1, L2}, V{p.h, H, 1}, L, H, B, StoreTo<T>{p.gw_mu, H}),
+            gemm_job(V{p.gml + L, 1, L2}, V{p.h, H, 1}, L, H, B, StoreTo<T>{p.gw_lv, H}),
+            gemm_job(V{p.gml, L2, 1}, V{p.w_mulv, H, 1}, B, H, L2, ReluMask<T>{p.ga1, H, p.h}),
+            ColumnSumJob<T>{p.gml, L2, L, B, p.gb_mu}, ColumnSumJob<T>{p.gml + L, L2, L, B, p.gb_lv});
+  grid.sync();
+
+  run_phase(smem, gemm_job(V{p.ga1, 1, H}, V{p.x, I, 1}, H, I, B, StoreTo<T>{p.gw_enc, I}),
+            gemm_job(V{p.ga1, H, 1}, V{p.w_enc, I, 1}, B, I, H, AddTo<T>{p.gx, I}),
+            ColumnSumJob<T>{p.ga1, H, H, B, p.gb_enc});
+}
+
+// Units (tiles and column strips) of the busiest phase: more blocks than
+// that would only wait at the barriers.
+inline int64_t persistent_max_units(int64_t B, int64_t I, int64_t H, int64_t L) {
+  using cuda::tile_count;
+  auto strips = [](int64_t n) { return (n + cuda::kTile - 1) / cuda::kTile; };
+  const int64_t phases[] = {
+      tile_count(B, H),
+      2 * tile_count(B, L),
+      tile_count(B, H),
+      tile_count(B, I),
+      tile_count(I, H) + tile_count(B, H) + strips(I),
+      tile_count(H, L) + tile_count(B, L) + strips(H),
+      2 * tile_count(L, H) + tile_count(B, H) + 2 * strips(L),
+      tile_count(H, I) + tile_count(B, I) + strips(H),
+  };
+  return *std::max_element(std::begin(phases), std::end(phases));
+}
+
+template <typename T>
+void vae_elbo_backward_persistent(const VaeElboBackwardCall& c, PersistentArgs<T>& a) {
+  const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
+  auto up4 = [](int64_t n) { return (n + 3) / 4 * 4; };
+  const int64_t n_bh = up4(B * H), n_ml = up4(B * 2 * L), n_z = up4(B * L), n_bi = up4(B * I),
+                n_w = up4(2 * L * H);
+  Tensor ws = empty_like_device(c.x, {4 * n_bh + 2 * n_ml + n_z + n_bi + n_w});
+  T* w = ws.mutable_data_ptr<T>();
+  a.h = w;
+  a.g = a.h + n_bh;
+  a.ga2 = a.g + n_bh;
+  a.ga1 = a.ga2 + n_bh;
+  a.ml = a.ga1 + n_bh;
+  a.gml = a.ml + n_ml;
+  a.z = a.gml + n_ml;
+  a.ga3 = a.z + n_z;
+  a.w_mulv = a.ga3 + n_bi;
+
+  auto kernel = vae_elbo_backward_persistent_kernel<T>;
+  // At most two blocks per SM: enough to cover the busy phases' latency; a
+  // larger grid makes every barrier slower.
+  const int64_t sms = cuda::multiprocessor_count(cuda::current_device());
+  int64_t grid = std::min(cuda::max_resident_blocks(kernel, cuda::kTileThreads, 0), 2 * sms);
+  grid = std::max<int64_t>(1, std::min(grid, persistent_max_units(B, I, H, L)));
+  cuda::launch_cooperative(kernel, grid, cuda::kTileThreads, 0, a);
+}
+
+// ---------------------------------------------------------------------------
+// cuBLAS path
+// ---------------------------------------------------------------------------
+
 template <typename T>
 void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
   const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
@@ -220,6 +440,17 @@ void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
   const T* g_kl = VaeElboBackwardCall::ptr<T>(c.g_kl);
   T* gx = c.gx.mutable_data_ptr<T>();
   T* geps = c.geps.mutable_data_ptr<T>();
+
+  if (double(B) * double(H) * (6.0 * double(I) + 8.0 * double(L)) <= kPersistentMaxMacs) {
+    PersistentArgs<T> a{B, I, H, L, x, eps, w_enc, c.b_enc.const_data_ptr<T>(),
+                        c.w_mu.const_data_ptr<T>(), c.b_mu.const_data_ptr<T>(),
+                        c.w_logvar.const_data_ptr<T>(), c.b_logvar.const_data_ptr<T>(), w_d1,
+                        c.b_dec1.const_data_ptr<T>(), w_d2, c.b_dec2.const_data_ptr<T>(),
+                        g_elbo, g_recon, g_kl, gx, geps, gw_enc, gb_enc, gw_mu, gb_mu, gw_lv,
+                        gb_lv, gw_d1, gb_d1, gw_d2, gb_d2};  // workspace pointers set below
+    vae_elbo_backward_persistent<T>(c, a);
+    return;
+  }
 
   // Workspace, each piece starting on a multiple of 4 elements.
   auto up4 = [](int64_t n) { return (n + 3) / 4 * 4; };
