@@ -37,8 +37,12 @@ inline void mm_out(const Tensor& a, const Tensor& b, const Tensor& out) {
   using torch::stable::detail::from;
   using torch::stable::detail::to;
   std::array<StableIValue, 3> stack{from(a), from(b), from(out)};
-  STABLE_TORCH_ERROR_CODE_CHECK(
-      torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
+  // Our own check, not STABLE_TORCH_ERROR_CODE_CHECK: that macro is newer
+  // than torch 2.11's headers, and the extension must build against them.
+  FUSED_OPS_CHECK(torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION) ==
+                      AOTI_TORCH_SUCCESS,
+                  "fused_ops: aten::mm.out failed for [", a.size(0), ", ", a.size(1), "] @ [",
+                  b.size(0), ", ", b.size(1), "]");
   (void)to<Tensor>(stack[0]);  // the returned alias of `out`: release its handle
 }
 
