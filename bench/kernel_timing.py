@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("--train", action="store_true",
                         help="time the fused training step (forward + loss + backward, as bench.benchmark --train)")
     parser.add_argument("--ops", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    parser.add_argument("--cpu-ops", type=int, default=0, metavar="N",
+                        help="also profile the host side and print the N ops with the most self CPU time")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel timing needs a CUDA device", file=sys.stderr)
@@ -65,6 +67,15 @@ def main(argv=None) -> int:
                   f"kernels {total:.1f} us/call")
             for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:9.1f} us  {name}")
+            if args.cpu_ops:
+                with contextlib.nullcontext() if args.train else torch.no_grad():
+                    with profile(activities=[ProfilerActivity.CPU]) as host:
+                        for _ in range(calls):
+                            fused(*inputs)
+                        torch.cuda.synchronize()
+                print(f"  host side, {calls} calls (times include the profiler's own overhead):")
+                print(host.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.cpu_ops,
+                                                max_name_column_width=70))
             del reference, fused, inputs
             torch.cuda.empty_cache()
     return 0
