@@ -56,15 +56,14 @@ inline T flow_step_size(int64_t num_steps) {
   return T(1.0 / double(num_steps));
 }
 
-// One call's checked sizes, contiguous inputs and freshly allocated output.
-struct FlowEulerCall {
+// The checked sizes and contiguous inputs of a call: what the forward's and
+// the backward's call structs share.
+struct FlowEulerInputs {
   int64_t B, D, H, num_steps;
   Tensor x0, w1, b1, w2, b2, w3, b3;
-  Tensor x;
 
-  FlowEulerCall(const Tensor& x0_, const Tensor& w1_, const Tensor& b1_,
-                const Tensor& w2_, const Tensor& b2_, const Tensor& w3_,
-                const Tensor& b3_, int64_t num_steps_) {
+  FlowEulerInputs(const Tensor& x0_, const Tensor& w1_, const Tensor& b1_, const Tensor& w2_,
+                  const Tensor& b2_, const Tensor& w3_, const Tensor& b3_, int64_t num_steps_) {
     const auto sizes = check_flow_euler_args(x0_, w1_, b1_, w2_, b2_, w3_, b3_, num_steps_);
     B = sizes.B, D = sizes.D, H = sizes.H, num_steps = num_steps_;
     x0 = as_contiguous(x0_);
@@ -74,6 +73,16 @@ struct FlowEulerCall {
     b2 = as_contiguous(b2_);
     w3 = as_contiguous(w3_);
     b3 = as_contiguous(b3_);
+  }
+};
+
+// One forward call: the inputs and the freshly allocated output.
+struct FlowEulerCall : FlowEulerInputs {
+  Tensor x;
+
+  FlowEulerCall(const Tensor& x0_, const Tensor& w1_, const Tensor& b1_, const Tensor& w2_,
+                const Tensor& b2_, const Tensor& w3_, const Tensor& b3_, int64_t num_steps_)
+      : FlowEulerInputs(x0_, w1_, b1_, w2_, b2_, w3_, b3_, num_steps_) {
     x = empty_like_device(x0_, {B, D});
   }
 };

@@ -62,29 +62,20 @@
 
 namespace fused_ops {
 
-struct FlowEulerBackwardCall {
-  int64_t B, D, H, num_steps;
-  Tensor grad_x, x0, w1, b1, w2, b2, w3, b3;
+struct FlowEulerBackwardCall : FlowEulerInputs {
+  Tensor grad_x;
   Tensor grad_x0, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3;
 
   FlowEulerBackwardCall(const Tensor& grad_x_, const Tensor& x0_, const Tensor& w1_,
                         const Tensor& b1_, const Tensor& w2_, const Tensor& b2_,
-                        const Tensor& w3_, const Tensor& b3_, int64_t num_steps_) {
-    const auto sizes = check_flow_euler_args(x0_, w1_, b1_, w2_, b2_, w3_, b3_, num_steps_);
-    B = sizes.B, D = sizes.D, H = sizes.H, num_steps = num_steps_;
+                        const Tensor& w3_, const Tensor& b3_, int64_t num_steps_)
+      : FlowEulerInputs(x0_, w1_, b1_, w2_, b2_, w3_, b3_, num_steps_) {
     check_rank(grad_x_, "grad_x", 2, "[B, D], the shape of x0");
     FUSED_OPS_CHECK(grad_x_.size(0) == B && grad_x_.size(1) == D,
                     "grad_x must have the shape of x0 ", shape_str(x0_), ", got ",
                     shape_str(grad_x_));
     check_same_float_dtype_and_device({{x0_, "x0"}, {grad_x_, "grad_x"}});
     grad_x = as_contiguous(grad_x_);
-    x0 = as_contiguous(x0_);
-    w1 = as_contiguous(w1_);
-    b1 = as_contiguous(b1_);
-    w2 = as_contiguous(w2_);
-    b2 = as_contiguous(b2_);
-    w3 = as_contiguous(w3_);
-    b3 = as_contiguous(b3_);
     grad_x0 = empty_like_device(x0_, {B, D});
     grad_w1 = empty_like_device(x0_, {H, D + 1});
     grad_b1 = empty_like_device(x0_, {H});
@@ -163,6 +154,18 @@ int64_t flow_backward_layout(FlowBackwardArgs<T>& a, T* base) {
   return off;
 }
 
+// The six weight and bias gradient outputs (all a B == 0 call touches: it
+// zeroes them).
+template <typename T>
+void set_weight_grads(const FlowEulerBackwardCall& c, FlowBackwardArgs<T>& a) {
+  a.gw1 = c.grad_w1.mutable_data_ptr<T>();
+  a.gb1 = c.grad_b1.mutable_data_ptr<T>();
+  a.gw2 = c.grad_w2.mutable_data_ptr<T>();
+  a.gb2 = c.grad_b2.mutable_data_ptr<T>();
+  a.gw3 = c.grad_w3.mutable_data_ptr<T>();
+  a.gb3 = c.grad_b3.mutable_data_ptr<T>();
+}
+
 // Fills the argument struct of a call whose output tensors exist, allocating
 // the workspace (kept alive by the returned tensor).
 template <typename T>
@@ -179,12 +182,7 @@ Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwar
   a.w3 = c.w3.const_data_ptr<T>();
   a.b3 = c.b3.const_data_ptr<T>();
   a.gx0 = c.grad_x0.mutable_data_ptr<T>();
-  a.gw1 = c.grad_w1.mutable_data_ptr<T>();
-  a.gb1 = c.grad_b1.mutable_data_ptr<T>();
-  a.gw2 = c.grad_w2.mutable_data_ptr<T>();
-  a.gb2 = c.grad_b2.mutable_data_ptr<T>();
-  a.gw3 = c.grad_w3.mutable_data_ptr<T>();
-  a.gb3 = c.grad_b3.mutable_data_ptr<T>();
+  set_weight_grads(c, a);
   const int64_t n = flow_backward_layout<T>(a, nullptr);
   Tensor workspace = empty_like_device(c.x0, {n});
   flow_backward_layout<T>(a, workspace.mutable_data_ptr<T>());

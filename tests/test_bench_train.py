@@ -133,3 +133,12 @@ def test_fused_compile_ro_sits_beside_fused_not_among_the_baselines():
     headers, cells = benchmark.build_table([row], cuda=False)
     assert "x fused_compile_ro" not in headers and "x fused" not in headers
     assert cells[0][headers.index("fused_compile_ro")] == benchmark.format_us(5.0)
+
+
+def test_autograd_floor_times_eager_fused_and_the_no_op():
+    from bench import autograd_floor
+
+    rows = autograd_floor.time_steps(batch=2, device=torch.device("cpu"), min_run_time=0.01)
+    assert [n for n, _ in rows] == ["eager", "fused", "floor"] and all(us > 0 for _, us in rows)
+    report = autograd_floor.format_report(torch.device("cpu"), 2, rows)
+    assert "| floor |" in report and "x eager" in report

@@ -256,12 +256,7 @@ FlowEulerBackwardCall::Grads flow_euler_backward_cpu(const Tensor& grad_x, const
     FlowBackwardArgs<T> a{};
     if (c.B == 0) {
       // No rows: every gradient is zero (and grad_x0 is empty).
-      a.gw1 = c.grad_w1.mutable_data_ptr<T>();
-      a.gb1 = c.grad_b1.mutable_data_ptr<T>();
-      a.gw2 = c.grad_w2.mutable_data_ptr<T>();
-      a.gb2 = c.grad_b2.mutable_data_ptr<T>();
-      a.gw3 = c.grad_w3.mutable_data_ptr<T>();
-      a.gb3 = c.grad_b3.mutable_data_ptr<T>();
+      set_weight_grads(c, a);
       CpuOps<T>{c.B, c.D, c.H, nullptr}.zero_grads(a);
       return;
     }
