@@ -1,10 +1,18 @@
 // CUDA implementation of fused_ops::flow_euler_backward (the step sequence
 // and the memory cost: flow_euler_backward.h).
 //
-// The matrix products are cuBLAS calls through common/matmul.h (aten::mm.out
-// on views of the workspace, torch's current stream).  Between them, small
-// kernels on the same stream, all float32 and float64, grid-stride or tiled
-// so no launch depends on one thread per element fitting the grid:
+// Resident mode (small problems, flow_euler_backward.h; the default B=8,
+// 32 steps): ONE cooperative launch, flow_backward_resident_kernel below,
+// that runs the trajectory, the adjoint and the weight gradients as 6 n + 1
+// grid-synchronised phases of 32 x 32 product tiles (cuda/tile_gemm.cuh).
+// The shared step sequence took ~12 host calls per Euler step there (cuBLAS
+// products through the dispatcher and small kernels) and was host-bound.
+//
+// Streaming mode (large batches): the shared step sequence, its matrix
+// products as cuBLAS calls through common/matmul.h (aten::mm.out on views of
+// the workspace, torch's current stream), between them small kernels on the
+// same stream, all float32 and float64, grid-stride or tiled so no launch
+// depends on one thread per element fitting the grid:
 //
 //   act_kernel          bias (+ t * w1[:, D]) + SiLU, and SiLU' for the backward
 //   update_kernel       x_{k+1} = x_k + dt * (v + b3)   (trajectory recompute)
@@ -12,21 +20,17 @@
 //                       kMul:   g_a = g_h * silu'(a), in place
 //                       fused with the column sums of g_v / g_a over a chunk of
 //                       kChunkRows rows per block (partials [P, N], P chunks)
-//   accumulate_kernel   streaming mode: weight gradients += this step's products; bias
+//   accumulate_kernel   weight gradients += this step's products; bias
 //                       gradients (and w1's time column) += the partials,
 //                       summed over chunks in chunk order
-//   finalize_biases_kernel   resident mode: bias gradients (and w1's time
-//                       column) from all steps' partials, in step order
 //   add_kernel          grad_x0 = g + pending g_x
 //
-// Resident mode (small problems, flow_euler_backward.h): per step 3 launches
-// + 3 products in the trajectory pass and 3 launches + 3 products in the
-// adjoint, then 3 products + 1 launch for the weight and bias gradients.
-// Streaming: per step 3 + 3 in the trajectory pass, 6 launches + 8 products
-// in the adjoint.  No atomics: every sum has a fixed order, so
+// per step 3 + 3 in the trajectory pass, 6 launches + 8 products in the
+// adjoint.  No atomics in either mode: every sum has a fixed order, so
 // results are bitwise reproducible (cuBLAS is deterministic on one device
 // and stream).
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -36,11 +40,15 @@
 #include <climits>
 #include <optional>
 
+#include "cuda/cooperative.cuh"
 #include "cuda/runtime.cuh"
+#include "cuda/tile_gemm.cuh"
 #include "flow_euler_backward.h"
 
 namespace fused_ops {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 // Column-sum tiles: 32 columns (one warp wide, coalesced) x 8 row lanes; a
@@ -195,45 +203,6 @@ __global__ void __launch_bounds__(kThreads) accumulate_kernel(AccumulateArgs<T> 
   }
 }
 
-// Resident mode: the bias gradients (and w1's time column) from the per-step
-// partials [n, P, N], summed over steps, then chunks, in a fixed order.  One
-// thread per output over [gb1 (H) | gw1[:, D] (H) | gb2 (H) | gb3 (D)].
-template <typename T>
-__global__ void __launch_bounds__(kThreads) finalize_biases_kernel(AccumulateArgs<T> a,
-                                                                  int64_t num_steps) {
-  const int64_t D = a.D, H = a.H, P = a.P;
-  const int64_t total = 3 * H + D;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const T* part = a.P1;
-    int64_t N = H, j = i;
-    bool time_column = false;
-    if (i < H) {
-    } else if (i < 2 * H) {
-      j = i - H, time_column = true;
-    } else if (i < 3 * H) {
-      part = a.P2, j = i - 2 * H;
-    } else {
-      part = a.P3, j = i - 3 * H, N = D;
-    }
-    T s = 0;
-    for (int64_t k = 0; k < num_steps; ++k) {
-      T sk = sum_partials(part + k * P * N, P, N, j);
-      if (time_column) sk *= T((double(k) + 0.5) / double(num_steps));  // t_k as the host rounds it
-      s += sk;
-    }
-    if (i < H) {
-      a.gb1[j] = s;
-    } else if (i < 2 * H) {
-      a.gw1[j * (D + 1) + D] = s;
-    } else if (i < 3 * H) {
-      a.gb2[j] = s;
-    } else {
-      a.gb3[j] = s;
-    }
-  }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     add_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int64_t n) {
@@ -241,6 +210,196 @@ __global__ void __launch_bounds__(kThreads)
        i += int64_t(gridDim.x) * blockDim.x) {
     out[i] = a[i] + b[i];
   }
+}
+
+// ---------------------------------------------------------------------------
+// resident mode: one cooperative launch
+// ---------------------------------------------------------------------------
+//
+// The resident step sequence of flow_euler_backward.h as 6 n + 1 phases of
+// one persistent kernel, grid barriers between them (cuda/tile_gemm.cuh):
+//   0        traj[0] = x0;  G = grad_x, GV[n-1] = dt G
+//   forward, k = 0 .. n-1:
+//     F1     S1 = x_k w1[:, :D]^T -> act (bias + t_k w1[:, D], SiLU, SiLU') -> H1[k], S1[k]
+//     F2     S2 = H1[k] w2^T      -> act (b2)                                -> H2[k], S2[k]
+//     F3     (k < n-1) x_{k+1} = x_k + dt (H2[k] w3^T + b3)
+//   reverse, k = n-1 .. 0:
+//     R1     GA2[k] = (GV[k] w3) * S2[k]
+//     R2     GA1[k] = (GA2[k] w2) * S1[k]
+//     R3     g = G + GA1[k] w1[:, :D];  k > 0: G = g, GV[k-1] = dt g;  k = 0: grad_x0 = g
+//   last     gw3 = GV^T H2, gw2 = GA2^T H1, gw1[:, :D] = GA1^T X over all n B rows;
+//            gb3, gb2, gb1 and gw1[:, D] = sum_k t_k colsum(GA1[k]) as column sums
+// The elementwise arithmetic is the streaming kernels' (act_kernel,
+// update_kernel's euler_step, colsum_kernel's g = g_in + add, dt * g), so
+// both modes round the same way; only the sums' order differs (tiles sum k
+// in order, column sums in double).  At B = 8 every phase is a handful of
+// tiles: the step is bound by the barriers and the products' latency, not
+// by the FLOPs, and it no longer pays ~12 host calls per Euler step.
+
+template <typename T>
+struct ActEpilogue {  // act_kernel's arithmetic, for both hidden layers
+  T *h, *s;
+  const T *bias, *w_time;
+  int64_t ld, ld_w;  // ld: row stride of h and s; w_time column stride (w1's row stride)
+  T t;
+  __device__ void operator()(int64_t r, int64_t j, T v) const {
+    const T c = w_time != nullptr ? bias[j] + t * w_time[j * ld_w] : bias[j];
+    const T z = v + c;
+    const T den = T(1) + exp(-z);
+    h[r * ld + j] = z / den;
+    const T sig = T(1) / den;
+    s[r * ld + j] = sig * (T(1) + z * (T(1) - sig));
+  }
+};
+
+template <typename T>
+struct UpdateEpilogue {  // x_{k+1} = x_k + dt (v + b3), update_kernel's rounding
+  T* xn;
+  const T *x, *b3;
+  int64_t D;
+  T dt;
+  __device__ void operator()(int64_t r, int64_t d, T v) const {
+    xn[r * D + d] = euler_step(x[r * D + d], dt, v + b3[d]);
+  }
+};
+
+template <typename T>
+struct MulEpilogue {  // out = v * s (ReLU/SiLU-style backward through a saved derivative)
+  T* out;
+  const T* s;
+  int64_t ld;
+  __device__ void operator()(int64_t r, int64_t j, T v) const { out[r * ld + j] = v * s[r * ld + j]; }
+};
+
+template <typename T>
+struct AdjointEpilogue {  // g = G + v, as colsum_kernel<kScale> adds the pending g_x
+  T *G, *GV_prev, *gx0;  // GV_prev: the next (earlier) step's GV, nullptr at k = 0
+  int64_t D;
+  T dt;
+  __device__ void operator()(int64_t r, int64_t d, T v) const {
+    const T g = G[r * D + d] + v;
+    if (GV_prev != nullptr) {
+      G[r * D + d] = g;
+      GV_prev[r * D + d] = dt * g;
+    } else {
+      gx0[r * D + d] = g;
+    }
+  }
+};
+
+template <typename T>
+struct StoreStrided {
+  T* c;
+  int64_t ldc;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v; }
+};
+
+// w1's time column: out[j * ld_out] = sum_r t_{r / B} in[r * H + j] over the
+// n B stacked rows, in double (one 32-column strip per unit, like
+// cuda::ColumnSumJob).
+template <typename T>
+struct TimeColumnJob {
+  const T* in;
+  int64_t H, rows, B, num_steps, ld_out;
+  T* out;
+
+  __device__ int64_t units() const { return (H + cuda::kTile - 1) / cuda::kTile; }
+
+  __device__ void run(int64_t unit, cuda::PhaseSmem<T>& smem) const {
+    constexpr int kGroups = cuda::kTileThreads / cuda::kTile;
+    const int col = threadIdx.x % cuda::kTile, group = threadIdx.x / cuda::kTile;
+    const int64_t j = unit * cuda::kTile + col;
+    double acc = 0;
+    if (j < H)
+      for (int64_t r = group; r < rows; r += kGroups) {
+        const T t = T((double(r / B) + 0.5) / double(num_steps));  // t_k as the host rounds it
+        acc += double(t) * double(in[r * H + j]);
+      }
+    smem.colsum[group][col] = acc;
+    __syncthreads();
+    if (group == 0 && j < H) {
+      double total = 0;
+      for (int g = 0; g < kGroups; ++g) total += smem.colsum[g][col];
+      out[j * ld_out] = T(total);
+    }
+    __syncthreads();
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(cuda::kTileThreads)
+    flow_backward_resident_kernel(const FlowBackwardArgs<T> a) {
+  using cuda::ColumnSumJob;
+  using cuda::gemm_job;
+  using cuda::run_phase;
+  using V = cuda::MatView<T>;
+  __shared__ cuda::PhaseSmem<T> smem;
+  cg::grid_group grid = cg::this_grid();
+  const int64_t B = a.B, D = a.D, H = a.H, n = a.num_steps, BD = B * D, BH = B * H;
+  const T dt = T(1.0 / double(n));  // flow_step_size, as the host rounds it
+  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
+
+  for (int64_t i = tid; i < BD; i += nthreads) {
+    a.traj[i] = a.x0[i];
+    const T g = a.grad_x[i];
+    a.G[i] = g;
+    a.GV[(n - 1) * BD + i] = dt * g;
+  }
+  grid.sync();
+
+  for (int64_t k = 0; k < n; ++k) {
+    const T t = T((double(k) + 0.5) / double(n));  // flow_step_time
+    const T* x = a.traj + k * BD;
+    run_phase(smem, gemm_job(V{x, D, 1}, V{a.w1, 1, D + 1}, B, H, D,
+                             ActEpilogue<T>{a.H1 + k * BH, a.S1 + k * BH, a.b1, a.w1 + D, H, D + 1, t}));
+    grid.sync();
+    run_phase(smem, gemm_job(V{a.H1 + k * BH, H, 1}, V{a.w2, 1, H}, B, H, H,
+                             ActEpilogue<T>{a.H2 + k * BH, a.S2 + k * BH, a.b2, nullptr, H, 0, t}));
+    grid.sync();
+    if (k + 1 < n) {
+      run_phase(smem, gemm_job(V{a.H2 + k * BH, H, 1}, V{a.w3, 1, H}, B, D, H,
+                               UpdateEpilogue<T>{a.traj + (k + 1) * BD, x, a.b3, D, dt}));
+      grid.sync();
+    }
+  }
+
+  for (int64_t k = n - 1; k >= 0; --k) {
+    run_phase(smem, gemm_job(V{a.GV + k * BD, D, 1}, V{a.w3, H, 1}, B, H, D,
+                             MulEpilogue<T>{a.GA2 + k * BH, a.S2 + k * BH, H}));
+    grid.sync();
+    run_phase(smem, gemm_job(V{a.GA2 + k * BH, H, 1}, V{a.w2, H, 1}, B, H, H,
+                             MulEpilogue<T>{a.GA1 + k * BH, a.S1 + k * BH, H}));
+    grid.sync();
+    run_phase(smem, gemm_job(V{a.GA1 + k * BH, H, 1}, V{a.w1, D + 1, 1}, B, D, H,
+                             AdjointEpilogue<T>{a.G, k > 0 ? a.GV + (k - 1) * BD : nullptr, a.gx0, D, dt}));
+    grid.sync();
+  }
+
+  const int64_t R = n * B;
+  run_phase(smem, gemm_job(V{a.GV, 1, D}, V{a.H2, H, 1}, D, H, R, StoreStrided<T>{a.gw3, H}),
+            gemm_job(V{a.GA2, 1, H}, V{a.H1, H, 1}, H, H, R, StoreStrided<T>{a.gw2, H}),
+            gemm_job(V{a.GA1, 1, H}, V{a.traj, D, 1}, H, D, R, StoreStrided<T>{a.gw1, D + 1}),
+            ColumnSumJob<T>{a.GV, D, D, R, a.gb3}, ColumnSumJob<T>{a.GA2, H, H, R, a.gb2},
+            ColumnSumJob<T>{a.GA1, H, H, R, a.gb1},
+            TimeColumnJob<T>{a.GA1, H, R, B, n, D + 1, a.gw1 + D});
+}
+
+template <typename T>
+void flow_backward_resident_launch(const FlowBackwardArgs<T>& a) {
+  using cuda::tile_count;
+  auto strips = [](int64_t c) { return (c + cuda::kTile - 1) / cuda::kTile; };
+  const int64_t B = a.B, D = a.D, H = a.H;
+  // Units of the busiest phase (the last one, unless B is large).
+  const int64_t units = std::max({tile_count(B, H), tile_count(B, D),
+                                  tile_count(D, H) + tile_count(H, H) + tile_count(H, D) +
+                                      strips(D) + 3 * strips(H)});
+  auto kernel = flow_backward_resident_kernel<T>;
+  const int64_t sms = cuda::multiprocessor_count(cuda::current_device());
+  int64_t grid = std::min(cuda::max_resident_blocks(kernel, cuda::kTileThreads, 0), sms);
+  grid = std::max<int64_t>(1, std::min(grid, units));
+  FlowBackwardArgs<T> args = a;
+  cuda::launch_cooperative(kernel, grid, cuda::kTileThreads, 0, args);
 }
 
 template <typename T>
@@ -298,11 +457,10 @@ struct CudaOps {
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 
-  void finalize_biases(const FlowBackwardArgs<T>& a) const {
-    AccumulateArgs<T> k{a.gw1, a.gb1, a.gw2, a.gb2, a.gw3, a.gb3, nullptr, nullptr,
-                        nullptr, a.P1, a.P2, a.P3, D, H, P, T(0)};
-    finalize_biases_kernel<T><<<grid_for(3 * H + D), kThreads, 0, stream>>>(k, a.num_steps);
-    FUSED_OPS_CUDA_LAUNCH_CHECK();
+  // Resident mode never reaches the shared step sequence on CUDA: it is one
+  // cooperative launch (flow_backward_resident_kernel).
+  void finalize_biases(const FlowBackwardArgs<T>&) const {
+    FUSED_OPS_CHECK(false, "fused_ops internal error: CUDA resident flow backward runs one launch");
   }
 
   void finish(const FlowBackwardArgs<T>& a) const {
@@ -339,7 +497,11 @@ FlowEulerBackwardCall::Grads flow_euler_backward_cuda(const Tensor& grad_x, cons
     // The workspace is freed (returned to torch's caching allocator, stream
     // ordered) when this call returns, after all its work was queued.
     Tensor workspace = flow_backward_args<T>(c, P, a);
-    run_flow_euler_backward<T>(a, x0.device(), ops);
+    if (a.resident) {
+      flow_backward_resident_launch<T>(a);
+    } else {
+      run_flow_euler_backward<T>(a, x0.device(), ops);
+    }
   });
   return c.grads();
 }
