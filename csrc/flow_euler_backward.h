@@ -35,7 +35,9 @@
 //            product over all num_steps * B rows at the end (gw3 = G_v^T H2
 //            with the steps stacked as rows, ...), written straight into the
 //            output; the bias gradients are summed from the partials.  Per
-//            step: 3 products (trajectory) + 3 (adjoint).
+//            step: 3 products (trajectory) + 3 (adjoint).  (CUDA runs this
+//            mode as one cooperative launch of the same arithmetic,
+//            cuda/flow_euler_backward.cu, not through this step sequence.)
 //            Memory: 6 n B H + n B D (trajectory x_0 .. x_{n-1}) + n B D (g_v)
 //            + 3 B D + partials n P (2 H + D).
 // streaming  otherwise (large batches): only x_1 .. x_{n-1} are kept; each

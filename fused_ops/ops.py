@@ -258,11 +258,15 @@ def flow_euler_backward(
       trajectory plus ``6*B*H + 4*B*D + 2*H*D + H*H`` that do not grow with
       ``n`` (62 MB in float32 at B=4096, D=64, H=256, 32 steps).
 
-    Products run as BLAS (CPU) or cuBLAS (CUDA, torch's current stream) calls
-    over all rows, with fused epilogue kernels (bias/SiLU/SiLU', Euler update,
-    gradient products with deterministic column sums) between them; results
-    are bitwise reproducible for the same inputs on the same device.  On CUDA
-    the float32 products follow ``torch.backends.cuda.matmul.allow_tf32``.
+    CUDA, resident: one cooperative launch, the whole sequence as grid-
+    synchronised phases of FMA product tiles with the elementwise work in
+    their epilogues (plain float32/float64 arithmetic, never TF32).
+    Otherwise products run as BLAS (CPU) or cuBLAS (CUDA, torch's current
+    stream) calls over all rows, with fused epilogue kernels (bias/SiLU/SiLU',
+    Euler update, gradient products with deterministic column sums) between
+    them; there the CUDA float32 products follow
+    ``torch.backends.cuda.matmul.allow_tf32``.  Results are bitwise
+    reproducible for the same inputs on the same device.
     Not differentiable itself: double backward raises an error.
     """
     return torch.ops.fused_ops.flow_euler_backward.default(grad_x, x0, w1, b1, w2, b2, w3, b3, num_steps)
