@@ -287,13 +287,6 @@ struct AdjointEpilogue {  // g = G + v, as colsum_kernel<kScale> adds the pendin
   }
 };
 
-template <typename T>
-struct StoreStrided {
-  T* c;
-  int64_t ldc;
-  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v; }
-};
-
 // w1's time column: out[j * ld_out] = sum_r t_{r / B} in[r * H + j] over the
 // n B stacked rows, in double (one 32-column strip per unit, like
 // cuda::ColumnSumJob).
@@ -377,9 +370,9 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
   }
 
   const int64_t R = n * B;
-  run_phase(smem, gemm_job(V{a.GV, 1, D}, V{a.H2, H, 1}, D, H, R, StoreStrided<T>{a.gw3, H}),
-            gemm_job(V{a.GA2, 1, H}, V{a.H1, H, 1}, H, H, R, StoreStrided<T>{a.gw2, H}),
-            gemm_job(V{a.GA1, 1, H}, V{a.traj, D, 1}, H, D, R, StoreStrided<T>{a.gw1, D + 1}),
+  run_phase(smem, gemm_job(V{a.GV, 1, D}, V{a.H2, H, 1}, D, H, R, cuda::StoreEpilogue<T>{a.gw3, H}),
+            gemm_job(V{a.GA2, 1, H}, V{a.H1, H, 1}, H, H, R, cuda::StoreEpilogue<T>{a.gw2, H}),
+            gemm_job(V{a.GA1, 1, H}, V{a.traj, D, 1}, H, D, R, cuda::StoreEpilogue<T>{a.gw1, D + 1}),
             ColumnSumJob<T>{a.GV, D, D, R, a.gb3}, ColumnSumJob<T>{a.GA2, H, H, R, a.gb2},
             ColumnSumJob<T>{a.GA1, H, H, R, a.gb1},
             TimeColumnJob<T>{a.GA1, H, R, B, n, D + 1, a.gw1 + D});

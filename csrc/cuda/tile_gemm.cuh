@@ -127,6 +127,14 @@ struct GemmJob {
   }
 };
 
+// The plain epilogue: C[m, n] = value, row stride ldc (a weight gradient).
+template <typename T>
+struct StoreEpilogue {
+  T* c;
+  int64_t ldc;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v; }
+};
+
 template <typename T, typename Epi>
 __device__ GemmJob<T, Epi> gemm_job(MatView<T> a, MatView<T> b, int64_t M, int64_t N, int64_t K,
                                     Epi epi) {

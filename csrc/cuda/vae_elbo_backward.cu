@@ -79,6 +79,46 @@ unsigned grid_for(int64_t n) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, 65535)));
 }
 
+// Element (b, i) of the logits before their bias -> the gradient at the
+// logits (BCE backward with PyTorch's clamp, then sigmoid backward) into ga3
+// and BCE's target gradient -logit(p) * d_recon into gx (zero where d_recon
+// is zero).  Both paths: a tile epilogue, and bce_backward_kernel.
+template <typename T>
+struct BceBackward {
+  const T *b_dec2, *x, *g_elbo, *g_recon;
+  T *ga3, *gx;
+  int64_t I;
+  __device__ void operator()(int64_t b, int64_t i, T v) const {
+    const T dr = upstream(g_elbo, g_recon, b);
+    const T a = v + b_dec2[i];
+    const T p = T(1) / (T(1) + dexp(-a));
+    const T q = T(1) - p;
+    const T qp = q * p;
+    const T den = qp < T(1e-12) ? T(1e-12) : qp;
+    const T gp = dr * (p - x[b * I + i]) / den;
+    ga3[b * I + i] = gp * q * p;
+    gx[b * I + i] = dr != T(0) ? -dlog(p / q) * dr : T(0);
+  }
+};
+
+// Element (b, l) of the gradient at z, with mu/logvar (ml [B, 2L]) and eps
+// -> gml [B, 2L] = [gmu, glv] and geps [B, L].  Both paths: a tile epilogue,
+// and latent_backward_kernel.
+template <typename T>
+struct LatentBackward {
+  const T *ml, *eps, *g_elbo, *g_kl;
+  T *gml, *geps;
+  int64_t L;
+  __device__ void operator()(int64_t b, int64_t l, T gz) const {
+    const T dk = upstream(g_elbo, g_kl, b);
+    const T mu = ml[b * 2 * L + l], lv = ml[b * 2 * L + L + l];
+    const T s = dexp(T(0.5) * lv);
+    gml[b * 2 * L + l] = gz + dk * mu;
+    gml[b * 2 * L + L + l] = T(0.5) * (gz * eps[b * L + l] * s) + (T(-0.5) * dk) * (T(1) - dexp(lv));
+    geps[b * L + l] = gz * s;
+  }
+};
+
 // v[r, j] = max(v[r, j] + b[j], 0) for r < rows, j < n.
 template <typename T>
 __global__ void bias_relu_kernel(T* v, const T* b, int64_t rows, int64_t n) {
@@ -108,27 +148,15 @@ __global__ void latent_forward_kernel(T* ml, const T* b_mu, const T* b_lv, const
   }
 }
 
-// a3 [B, I] holds g @ w_dec2^T: replaces it by the gradient at the logits
-// (BCE backward with PyTorch's clamp, then sigmoid backward) and writes BCE's
-// target gradient -logit(p) * d_recon to gx (zero where d_recon is zero).
+// a3 [B, I] holds g @ w_dec2^T: replaced in place by the gradient at the
+// logits; gx gets BCE's target gradient (BceBackward).
 template <typename T>
 __global__ void bce_backward_kernel(T* a3, const T* b_dec2, const T* x, const T* g_elbo,
                                     const T* g_recon, T* gx, int64_t B, int64_t I) {
-  const int64_t total = B * I;
-  const T kEps = T(1e-12);
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = k / I, i = k % I;
-    const T dr = upstream(g_elbo, g_recon, b);
-    const T a = a3[k] + b_dec2[i];
-    const T p = T(1) / (T(1) + dexp(-a));
-    const T q = T(1) - p;
-    const T qp = q * p;
-    const T den = qp < kEps ? kEps : qp;
-    const T gp = dr * (p - x[k]) / den;
-    a3[k] = gp * q * p;
-    gx[k] = dr != T(0) ? -dlog(p / q) * dr : T(0);
-  }
+  const BceBackward<T> bce{b_dec2, x, g_elbo, g_recon, a3, gx, I};
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < B * I;
+       k += int64_t(gridDim.x) * blockDim.x)
+    bce(k / I, k % I, a3[k]);
 }
 
 // v[k] = 0 where act[k] <= 0 (ReLU backward on the ReLU's output).
@@ -140,23 +168,14 @@ __global__ void relu_mask_kernel(T* v, const T* act, int64_t n) {
   }
 }
 
-// From gz [B, L] (gradient at z), mu/logvar (ml [B, 2L]) and eps: gml [B, 2L]
-// = [gmu, glv] and geps [B, L].
+// From gz [B, L] (gradient at z): gml and geps (LatentBackward).
 template <typename T>
 __global__ void latent_backward_kernel(const T* gz, const T* ml, const T* eps, const T* g_elbo,
                                        const T* g_kl, T* gml, T* geps, int64_t B, int64_t L) {
-  const int64_t total = B * L;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = k / L, l = k % L;
-    const T dk = upstream(g_elbo, g_kl, b);
-    const T mu = ml[b * 2 * L + l], lv = ml[b * 2 * L + L + l];
-    const T s = dexp(T(0.5) * lv);
-    const T g = gz[k];
-    gml[b * 2 * L + l] = g + dk * mu;
-    gml[b * 2 * L + L + l] = T(0.5) * (g * eps[k] * s) + (T(-0.5) * dk) * (T(1) - dexp(lv));
-    geps[k] = g * s;
-  }
+  const LatentBackward<T> latent{ml, eps, g_elbo, g_kl, gml, geps, L};
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < B * L;
+       k += int64_t(gridDim.x) * blockDim.x)
+    latent(k / L, k % L, gz[k]);
 }
 
 template <typename T>
@@ -220,13 +239,6 @@ struct PersistentArgs {
 
 // Tile epilogues: (m, n, value of the product at (m, n)).
 template <typename T>
-struct StoreTo {
-  T* c;
-  int64_t ldc;
-  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v; }
-};
-
-template <typename T>
 struct AddTo {
   T* c;
   int64_t ldc;
@@ -263,41 +275,7 @@ struct ReluMask {
   }
 };
 
-// (b, i) of the logits before bias -> gradient at the logits (ga3) and BCE's
-// target gradient (gx), as bce_backward_kernel.
-template <typename T>
-struct BceBackward {
-  const T *b_dec2, *x, *g_elbo, *g_recon;
-  T *ga3, *gx;
-  int64_t I;
-  __device__ void operator()(int64_t b, int64_t i, T v) const {
-    const T dr = upstream(g_elbo, g_recon, b);
-    const T a = v + b_dec2[i];
-    const T p = T(1) / (T(1) + dexp(-a));
-    const T q = T(1) - p;
-    const T qp = q * p;
-    const T den = qp < T(1e-12) ? T(1e-12) : qp;
-    const T gp = dr * (p - x[b * I + i]) / den;
-    ga3[b * I + i] = gp * q * p;
-    gx[b * I + i] = dr != T(0) ? -dlog(p / q) * dr : T(0);
-  }
-};
 
-// (b, l) of the gradient at z -> [gmu, glv] and geps, as latent_backward_kernel.
-template <typename T>
-struct LatentBackward {
-  const T *ml, *eps, *g_elbo, *g_kl;
-  T *gml, *geps;
-  int64_t L;
-  __device__ void operator()(int64_t b, int64_t l, T gz) const {
-    const T dk = upstream(g_elbo, g_kl, b);
-    const T mu = ml[b * 2 * L + l], lv = ml[b * 2 * L + L + l];
-    const T s = dexp(T(0.5) * lv);
-    gml[b * 2 * L + l] = gz + dk * mu;
-    gml[b * 2 * L + L + l] = T(0.5) * (gz * eps[b * L + l] * s) + (T(-0.5) * dk) * (T(1) - dexp(lv));
-    geps[b * L + l] = gz * s;
-  }
-};
 
 // The nine phases of the header comment; grid.sync() between them.
 template <typename T>
@@ -337,24 +315,24 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
                            BceBackward<T>{p.b_d2, p.x, p.g_elbo, p.g_recon, p.ga3, p.gx, I}));
   grid.sync();
 
-  run_phase(smem, gemm_job(V{p.ga3, 1, I}, V{p.g, H, 1}, I, H, B, StoreTo<T>{p.gw_d2, H}),
+  run_phase(smem, gemm_job(V{p.ga3, 1, I}, V{p.g, H, 1}, I, H, B, cuda::StoreEpilogue<T>{p.gw_d2, H}),
             gemm_job(V{p.ga3, I, 1}, V{p.w_d2, H, 1}, B, H, I, ReluMask<T>{p.ga2, H, p.g}),
             ColumnSumJob<T>{p.ga3, I, I, B, p.gb_d2});
   grid.sync();
 
-  run_phase(smem, gemm_job(V{p.ga2, 1, H}, V{p.z, L, 1}, H, L, B, StoreTo<T>{p.gw_d1, L}),
+  run_phase(smem, gemm_job(V{p.ga2, 1, H}, V{p.z, L, 1}, H, L, B, cuda::StoreEpilogue<T>{p.gw_d1, L}),
             gemm_job(V{p.ga2, H, 1}, V{p.w_d1, L, 1}, B, L, H,
                      LatentBackward<T>{p.ml, p.eps, p.g_elbo, p.g_kl, p.gml, p.geps, L}),
             ColumnSumJob<T>{p.ga2, H, H, B, p.gb_d1});
   grid.sync();
 
-  run_phase(smem, gemm_job(V{p.gml, 1, L2}, V{p.h, H, 1}, L, H, B, StoreTo<T>{p.gw_mu, H}),
-            gemm_job(V{p.gml + L, 1, L2}, V{p.h, H, 1}, L, H, B, StoreTo<T>{p.gw_lv, H}),
+  run_phase(smem, gemm_job(V{p.gml, 1, L2}, V{p.h, H, 1}, L, H, B, cuda::StoreEpilogue<T>{p.gw_mu, H}),
+            gemm_job(V{p.gml + L, 1, L2}, V{p.h, H, 1}, L, H, B, cuda::StoreEpilogue<T>{p.gw_lv, H}),
             gemm_job(V{p.gml, L2, 1}, V{p.w_mulv, H, 1}, B, H, L2, ReluMask<T>{p.ga1, H, p.h}),
             ColumnSumJob<T>{p.gml, L2, L, B, p.gb_mu}, ColumnSumJob<T>{p.gml + L, L2, L, B, p.gb_lv});
   grid.sync();
 
-  run_phase(smem, gemm_job(V{p.ga1, 1, H}, V{p.x, I, 1}, H, I, B, StoreTo<T>{p.gw_enc, I}),
+  run_phase(smem, gemm_job(V{p.ga1, 1, H}, V{p.x, I, 1}, H, I, B, cuda::StoreEpilogue<T>{p.gw_enc, I}),
             gemm_job(V{p.ga1, H, 1}, V{p.w_enc, I, 1}, B, I, H, AddTo<T>{p.gx, I}),
             ColumnSumJob<T>{p.ga1, H, H, B, p.gb_enc});
 }
