@@ -32,10 +32,12 @@
 namespace fused_ops {
 namespace {
 
-// 64 rows: the two hidden activations of a block (2 x 64 x 256 floats, 128 KB
-// at the default size) and the weights (396 KB) fit a 1 MB L2, and a 64-row
-// product is large enough for the BLAS kernels to run near peak.
-constexpr int64_t kRowBlock = 64;
+// 128 rows: the two hidden activations of a block (2 x 128 x 256 floats,
+// 256 KB at the default size) and the weights (396 KB) still fit a 1 MB L2,
+// and the products are twice as tall as with 64 rows (half the BLAS calls,
+// each repacking the weights): B=4096 ran ~10% faster on the 2-core
+// development CPU (alternating builds, median 424 vs 470 ms per call).
+constexpr int64_t kRowBlock = 128;
 
 // h[r, j] = silu(h[r, j] + bias[j]) for r < rows, j < cols (row stride cols).
 template <typename T, int B>
