@@ -519,12 +519,15 @@ def variant_builders(
     case compiles from scratch, with static shapes.
     """
 
-    def compiled(**kwargs: Any) -> Callable[[], Callable]:
+    def compiled_of(make: Callable[[], Callable], **kwargs: Any) -> Callable[[], Callable]:
         def build() -> Callable:
             torch._dynamo.reset()
-            return torch.compile(reference, **kwargs)
+            return torch.compile(make(), **kwargs)
 
         return build
+
+    def compiled(**kwargs: Any) -> Callable[[], Callable]:
+        return compiled_of(lambda: reference, **kwargs)
 
     variants: List[Tuple[str, Optional[Callable[[], Callable]], str]] = [(EAGER, lambda: reference, "")]
     variants += compile_variants(compiled, device, use_compile)
@@ -536,16 +539,10 @@ def variant_builders(
     if fused_ok:
         variants.append((FUSED, lambda: workload.build_fused(reference), ""))
         if use_compile and device.type == "cuda":
-            variants.append((FUSED_RO, lambda: compile_ro(workload.build_fused(reference)), ""))
+            variants.append((FUSED_RO, compiled_of(lambda: workload.build_fused(reference), mode="reduce-overhead"), ""))
     else:
         variants.append((FUSED, None, f"fused_ops.nn.{workload.fused_name} not implemented"))
     return variants
-
-
-def compile_ro(fn: Callable) -> Callable:
-    """``torch.compile(fn, mode="reduce-overhead")`` from a fresh dynamo state."""
-    torch._dynamo.reset()
-    return torch.compile(fn, mode="reduce-overhead")
 
 
 # --- training steps -------------------------------------------------------------
@@ -623,19 +620,17 @@ def train_variant_builders(
     def fresh() -> torch.nn.Module:
         return workload.build_trainable(copy.deepcopy(reference))
 
-    def plain(make_forward: Callable[[torch.nn.Module], Callable]) -> Callable[[], Callable]:
+    def plain(
+        make_forward: Callable[[torch.nn.Module], Callable], compile_kwargs: Optional[Dict[str, Any]] = None
+    ) -> Callable[[], Callable]:
         def build() -> Callable:
             module = fresh()
-            return make_train_step(make_forward(module), module.parameters(), loss_fn, optimizer)
+            return make_train_step(make_forward(module), module.parameters(), loss_fn, optimizer, compile_kwargs)
 
         return build
 
     def compiled(**kwargs: Any) -> Callable[[], Callable]:
-        def build() -> Callable:
-            module = fresh()
-            return make_train_step(module, module.parameters(), loss_fn, optimizer, dict(kwargs))
-
-        return build
+        return plain(lambda m: m, dict(kwargs))
 
     variants: List[Tuple[str, Optional[Callable[[], Callable]], str]] = [(EAGER, plain(lambda m: m), "")]
     variants += compile_variants(compiled, device, use_compile)
@@ -647,13 +642,7 @@ def train_variant_builders(
     if fused_ok:
         variants.append((FUSED, plain(workload.build_fused_trainable), ""))
         if use_compile and device.type == "cuda":
-
-            def fused_ro() -> Callable:
-                module = fresh()
-                return make_train_step(workload.build_fused_trainable(module), module.parameters(), loss_fn,
-                                       optimizer, {"mode": "reduce-overhead"})
-
-            variants.append((FUSED_RO, fused_ro, ""))
+            variants.append((FUSED_RO, plain(workload.build_fused_trainable, {"mode": "reduce-overhead"}), ""))
     else:
         variants.append((FUSED, None, f"fused_ops.nn.{workload.fused_name} not implemented"))
     return variants

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
         return 1
     torch.manual_seed(0)
     calls = 20
+    grad_mode = contextlib.nullcontext if args.train else torch.no_grad
     for name in args.ops.split(","):
         workload = WORKLOADS[name]
         if not workload.fused_available():
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
             else:
                 fused = workload.build_fused(reference)
             inputs = tuple(t.cuda() for t in workload.make_inputs(params))
-            with contextlib.nullcontext() if args.train else torch.no_grad():
+            with grad_mode():
                 for _ in range(3):
                     fused(*inputs)
                 torch.cuda.synchronize()
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
             for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:9.1f} us  {name}")
             if args.cpu_ops:
-                with contextlib.nullcontext() if args.train else torch.no_grad():
+                with grad_mode():
                     with profile(activities=[ProfilerActivity.CPU]) as host:
                         for _ in range(calls):
                             fused(*inputs)
