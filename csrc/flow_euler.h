@@ -2,6 +2,8 @@
 // wrappers, and the per-device entry points.
 #pragma once
 
+#include <torch/headeronly/macros/Macros.h>
+
 #include "common/checks.h"
 
 namespace fused_ops {
@@ -47,12 +49,13 @@ inline FlowEulerSizes check_flow_euler_args(const Tensor& x0, const Tensor& w1,
 
 // Time of step k and the step size, rounded to the working precision the
 // way the reference rounds them: a Python float (double) converted once.
+// Host and device: the CUDA kernels that loop over steps call them too.
 template <typename T>
-inline T flow_step_time(int64_t k, int64_t num_steps) {
+C10_HOST_DEVICE inline T flow_step_time(int64_t k, int64_t num_steps) {
   return T((double(k) + 0.5) / double(num_steps));
 }
 template <typename T>
-inline T flow_step_size(int64_t num_steps) {
+C10_HOST_DEVICE inline T flow_step_size(int64_t num_steps) {
   return T(1.0 / double(num_steps));
 }
 

@@ -90,11 +90,6 @@ __device__ __forceinline__ double euler_step(double x, double dt, double v) {
   return __dadd_rn(x, __dmul_rn(dt, v));
 }
 
-template <typename T>
-__device__ __forceinline__ T step_time(int k, int num_steps) {
-  return T((double(k) + 0.5) / double(num_steps));
-}
-
 // dst[r, k] (row stride ld, total_rows rows) = src[r, k] (row stride src_ld)
 // for r < nrows and k < ncols, else 0; all threads of the block cooperate.
 // Eight loads in flight per thread: the one-off staging of a persistent
@@ -181,9 +176,15 @@ void launch_general(const FlowEulerCall& c) {
 // ---------------------------------------------------------------------------
 
 constexpr int kClusterMaxB = 32;
-// Row length granularity of the shared-memory copies: one float4 per lane of
-// a warp, so a row is read in whole warp-wide strides and padding is zero.
-constexpr int kClusterKStride = 4 * kWarpSize;
+// Activation rows are padded (with zeros) to a multiple of kSegment floats
+// and a layer's dot products are cut into k-segments of `seg` floats
+// (a multiple of kSegment): one thread computes one (neuron, segment, 8-row
+// chunk) partial, reading four float4 of its weight row once and reusing
+// them for all 8 rows.
+constexpr int kSegment = 16;
+// Cap of the per-layer partial sums [segments][rows][neurons] in shared
+// memory, in floats; the host doubles `seg` until the largest layer fits.
+constexpr int kMaxPartials = 8192;
 
 // What every float32 fast path reads: the op's tensors as raw pointers, the
 // sizes as int (the paths apply only where they fit) and the step size.
@@ -211,24 +212,35 @@ FlowParams flow_params(const FlowEulerCall& c) {
 
 struct ClusterArgs : FlowParams {
   int n1, n3;    // neurons per block: layers 1-2, layer 3
-  int ldD, ldH;  // padded row lengths (multiples of kClusterKStride)
+  int ldD, ldH;  // activation row lengths: D, H padded to a multiple of kSegment
   int rows;      // B rounded up to a multiple of 8
+  int seg;       // k-segment length (multiple of kSegment)
 };
 
-// Shared memory of one cluster block, in floats.  The float4-read arrays
-// come first (all sizes multiples of 128 floats, so each starts 16-byte
-// aligned), the per-neuron scalars last.
+// Weight rows in shared memory are 4 floats longer than the activation rows:
+// ld + 4 is 4 or 20 (mod 32), so the 8 lanes of a quarter-warp that read
+// float4s of 8 consecutive neurons' rows at the same k hit 8 distinct bank
+// quads (a multiple of 16 would put them in 2).
+__host__ __device__ inline int weight_ld(int ld) { return ld + 4; }
+
+// Segments of a layer whose input rows are ld floats long.
+__host__ __device__ inline int segments(int ld, int seg) { return (ld + seg - 1) / seg; }
+
+// Shared memory of one cluster block, in floats.  Every array's size is a
+// multiple of 4 floats, so each starts 16-byte aligned (float4 reads).
 struct ClusterLayout {
-  int W1, W2, W3, X, H1, H2, STAGE, B1, WT, B2, B3, total;
-  __host__ __device__ ClusterLayout(int n1, int n3, int ldD, int ldH, int rows) {
+  int W1, W2, W3, X, H1, H2, PART, STAGE, B1, WT, B2, B3, total;
+  __host__ __device__ ClusterLayout(int n1, int n3, int ldD, int ldH, int rows, int seg) {
+    const int partials = rows * max(n1 * segments(max(ldD, ldH), seg), n3 * segments(ldH, seg));
     W1 = 0;
-    W2 = W1 + n1 * ldD;
-    W3 = W2 + n1 * ldH;
-    X = W3 + n3 * ldH;
+    W2 = W1 + n1 * weight_ld(ldD);
+    W3 = W2 + n1 * weight_ld(ldH);
+    X = W3 + n3 * weight_ld(ldH);
     H1 = X + rows * ldD;
     H2 = H1 + rows * ldH;
-    STAGE = H2 + rows * ldH;  // this block's slice of a layer's output, [rows][n]
-    B1 = STAGE + (rows * (n1 > n3 ? n1 : n3) + 3) / 4 * 4;
+    PART = H2 + rows * ldH;  // a layer's partial sums, [segment][row][neuron]
+    STAGE = PART + (partials + 3) / 4 * 4;  // this block's slice of a layer's output, [rows][n]
+    B1 = STAGE + (rows * max(n1, n3) + 3) / 4 * 4;
     WT = B1 + n1;
     B2 = WT + n1;
     B3 = B2 + n1;
@@ -237,113 +249,116 @@ struct ClusterLayout {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// One halving round of the reduce-scatter: lanes whose `off` bit is set keep
-// the upper half of their HALF*2 partial row sums, the others the lower half,
-// each adding its partner's copy of the half it keeps.
-template <int HALF>
-__device__ __forceinline__ void scatter_round(float (&acc)[8], bool upper, int off) {
-#pragma unroll
-  for (int r = 0; r < HALF; ++r) {
-    const float keep = upper ? acc[r + HALF] : acc[r];
-    const float send = upper ? acc[r] : acc[r + HALF];
-    acc[r] = keep + __shfl_xor_sync(kFullMask, send, off);
-  }
-}
-
-// One layer of the cluster kernel (see the file comment).  `in` is this
-// block's full copy of the layer input ([rows][ld_in]), `w` its weight rows
-// ([n_local][ld_in]); the result for (row, first_neuron + j) goes to `out`
-// (same offset in every block of the cluster), through `stage`.
+// One layer of the cluster kernel.  `in` is this block's full copy of the
+// layer input ([rows][ld_in], zero past the true length), `w` its n weight
+// rows ([n][weight_ld(ld_in)], zero-padded alike); the result for (row,
+// first_neuron + j) goes to `out` (same offset in every block of the
+// cluster).  Three stages, each closed by a barrier:
+//   1. partial dot products, one thread per (neuron, k-segment, 8-row chunk):
+//      the thread's 16-float slices of the weight row stay in registers
+//      across the 8 rows, and the threads of a warp that share a segment read
+//      the same input float4 (a broadcast), so shared-memory traffic is about
+//      one read of the weights plus one of the inputs per warp;
+//   2. one thread per output sums its segments in order (a fixed order:
+//      bitwise reproducible), applies the bias and SiLU or the Euler update,
+//      and writes this block's slice [rows][n] to `stage`;
+//   3. the slice is pushed into every block's `out` (this one's included) as
+//      contiguous runs, whole float4s when the slice's columns are 16-byte
+//      aligned: scattered scalar stores, one value to 16 blocks, cost far more
+//      than the arithmetic (distributed shared memory traffic is per
+//      transaction).  The caller's cluster barrier publishes the pushes.
+// The update reads x[row, col] in stage 2 and overwrites it in stage 3,
+// after the block barrier between them.
 template <int MODE>
 __device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int num_blocks,
-                                              const float* in, int ld_in, const float* w,
-                                              int n_local, int first_neuron, const float* bias,
+                                              const float* in, int ld_in, int seg, const float* w,
+                                              int n, int first_neuron, const float* bias,
                                               const float* w_time, float t, float* out,
-                                              int ld_out, int rows, float dt, float* stage) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int chunks = rows / 8, iters = ld_in / kClusterKStride;
-  for (int item = warp; item < n_local * chunks; item += kWarps) {
-    const int j = item % n_local, chunk = item / n_local;
-    const float* wrow = w + j * ld_in;
+                                              int ld_out, int rows, float dt, float* partial,
+                                              float* stage) {
+  const int wld = weight_ld(ld_in), nseg = segments(ld_in, seg), chunks = rows / 8;
+  for (int item = threadIdx.x; item < n * nseg * chunks; item += kThreads) {
+    const int j = item % n, rest = item / n;
+    const int s = rest % nseg, chunk = rest / nseg;
+    const float* wrow = w + j * wld;
     const float* irow = in + chunk * 8 * ld_in;
+    const int k_end = min((s + 1) * seg, ld_in);
     float acc[8];
 #pragma unroll
     for (int r = 0; r < 8; ++r) acc[r] = 0.f;
-    for (int it = 0; it < iters; ++it) {
-      const int k = 4 * (lane + kWarpSize * it);
-      const float4 wv = *reinterpret_cast<const float4*>(wrow + k);
+    for (int k = s * seg; k < k_end; k += kSegment) {
+      float4 wv[kSegment / 4];
+#pragma unroll
+      for (int q = 0; q < kSegment / 4; ++q) wv[q] = *reinterpret_cast<const float4*>(wrow + k + 4 * q);
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
-        const float4 v = *reinterpret_cast<const float4*>(irow + r * ld_in + k);
-        acc[r] = fmaf(wv.x, v.x, acc[r]);
-        acc[r] = fmaf(wv.y, v.y, acc[r]);
-        acc[r] = fmaf(wv.z, v.z, acc[r]);
-        acc[r] = fmaf(wv.w, v.w, acc[r]);
+#pragma unroll
+        for (int q = 0; q < kSegment / 4; ++q) {
+          const float4 v = *reinterpret_cast<const float4*>(irow + r * ld_in + k + 4 * q);
+          acc[r] = fmaf(wv[q].x, v.x, acc[r]);
+          acc[r] = fmaf(wv[q].y, v.y, acc[r]);
+          acc[r] = fmaf(wv[q].z, v.z, acc[r]);
+          acc[r] = fmaf(wv[q].w, v.w, acc[r]);
+        }
       }
     }
-    // Lane bits 4, 3, 2 select the row; bits 1, 0 then hold 4 partials of it.
-    scatter_round<4>(acc, lane & 16, 16);
-    scatter_round<2>(acc, lane & 8, 8);
-    scatter_round<1>(acc, lane & 4, 4);
-    float s = acc[0];
-    s += __shfl_xor_sync(kFullMask, s, 2);
-    s += __shfl_xor_sync(kFullMask, s, 1);
-    const int row = chunk * 8 + (((lane >> 4) & 1) << 2) + (((lane >> 3) & 1) << 1) + ((lane >> 2) & 1);
+#pragma unroll
+    for (int r = 0; r < 8; ++r) partial[(s * rows + chunk * 8 + r) * n + j] = acc[r];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < rows * n; o += kThreads) {
+    const int row = o / n, j = o - row * n;
+    float sum = 0.f;
+    for (int s = 0; s < nseg; ++s) sum += partial[(s * rows + row) * n + j];
     const int col = first_neuron + j;
     float value;
     if (MODE == kHidden) {
-      if (w_time != nullptr) s += t * w_time[j];
-      value = silu(s + bias[j]);
+      if (w_time != nullptr) sum += t * w_time[j];
+      value = silu(sum + bias[j]);
     } else {
-      value = euler_step(out[row * ld_out + col], dt, s + bias[j]);
+      value = euler_step(out[row * ld_out + col], dt, sum + bias[j]);
     }
-    if ((lane & 3) == 0) stage[row * n_local + j] = value;
+    stage[o] = value;
   }
-  // Push the finished slice [rows][n_local] into every block's `out` (this
-  // one's included) as contiguous runs: whole float4s when the slice's
-  // columns are 16-byte aligned.  Scattered scalar stores, one value to 16
-  // blocks, cost far more than the layer's arithmetic (DSMEM traffic is
-  // per transaction).  The update reads x[row, col] above and overwrites it
-  // here, after the barrier.
   __syncthreads();
-  if (n_local % 4 == 0 && first_neuron % 4 == 0) {
-    const int per_row = n_local / 4, per_dst = rows * per_row;
+  if (n % 4 == 0 && first_neuron % 4 == 0) {
+    const int per_row = n / 4, per_dst = rows * per_row;
     for (int i = threadIdx.x; i < num_blocks * per_dst; i += kThreads) {
       const int dst = i / per_dst, rem = i - dst * per_dst;
       const int row = rem / per_row, q = rem - row * per_row;
-      const float4 v = reinterpret_cast<const float4*>(stage + row * n_local)[q];
+      const float4 v = reinterpret_cast<const float4*>(stage + row * n)[q];
       float* remote = cluster.map_shared_rank(out + row * ld_out + first_neuron, dst);
       reinterpret_cast<float4*>(remote)[q] = v;
     }
   } else {
-    const int per_dst = rows * n_local;
+    const int per_dst = rows * n;
     for (int i = threadIdx.x; i < num_blocks * per_dst; i += kThreads) {
       const int dst = i / per_dst, rem = i - dst * per_dst;
-      const int row = rem / n_local, j = rem - row * n_local;
+      const int row = rem / n, j = rem - row * n;
       *cluster.map_shared_rank(out + row * ld_out + first_neuron + j, dst) = stage[rem];
     }
   }
 }
 #endif
 
-__global__ void __launch_bounds__(kThreads) flow_cluster_kernel(ClusterArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) flow_cluster_kernel(ClusterArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ float4 cluster_smem4[];
   float* smem = reinterpret_cast<float*>(cluster_smem4);
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank()), num_blocks = int(cluster.num_blocks());
-  const ClusterLayout L(a.n1, a.n3, a.ldD, a.ldH, a.rows);
+  const ClusterLayout L(a.n1, a.n3, a.ldD, a.ldH, a.rows, a.seg);
   const int D = a.D, H = a.H, tid = threadIdx.x;
   const int j0 = rank * a.n1, nj = max(0, min(a.n1, H - j0));
   const int d0 = rank * a.n3, nd = max(0, min(a.n3, D - d0));
 
   // Weights slices, full x0, zeroed h1/h2; every padding element is zero so
-  // whole-stride dot products read only zeros past the true lengths.
+  // whole-segment dot products read only zeros past the true lengths.
   // (Blocks without neurons of a layer, nj or nd == 0, stage only zeros and
   // never form their out-of-range source pointer's addresses.)
-  stage_rows(smem + L.W1, a.n1, a.ldD, a.w1 + int64_t(min(j0, H)) * (D + 1), D + 1, nj, D);
-  stage_rows(smem + L.W2, a.n1, a.ldH, a.w2 + int64_t(min(j0, H)) * H, H, nj, H);
-  stage_rows(smem + L.W3, a.n3, a.ldH, a.w3 + int64_t(min(d0, D)) * H, H, nd, H);
+  stage_rows(smem + L.W1, a.n1, weight_ld(a.ldD), a.w1 + int64_t(min(j0, H)) * (D + 1), D + 1, nj, D);
+  stage_rows(smem + L.W2, a.n1, weight_ld(a.ldH), a.w2 + int64_t(min(j0, H)) * H, H, nj, H);
+  stage_rows(smem + L.W3, a.n3, weight_ld(a.ldH), a.w3 + int64_t(min(d0, D)) * H, H, nd, H);
   stage_rows(smem + L.X, a.rows, a.ldD, a.x0, D, a.B, D);
   for (int i = tid; i < 2 * a.rows * a.ldH; i += kThreads) smem[L.H1 + i] = 0.f;
   for (int r = tid; r < a.n1; r += kThreads) {
@@ -356,16 +371,18 @@ __global__ void __launch_bounds__(kThreads) flow_cluster_kernel(ClusterArgs a) {
   // All blocks initialised (and running) before anyone stores into them.
   cluster.sync();
 
+  float* const partial = smem + L.PART;
+  float* const stage = smem + L.STAGE;
   for (int k = 0; k < a.num_steps; ++k) {
-    const float t = step_time<float>(k, a.num_steps);
-    cluster_layer<kHidden>(cluster, num_blocks, smem + L.X, a.ldD, smem + L.W1, nj, j0, smem + L.B1,
-                           smem + L.WT, t, smem + L.H1, a.ldH, a.rows, a.dt, smem + L.STAGE);
+    const float t = flow_step_time<float>(k, a.num_steps);
+    cluster_layer<kHidden>(cluster, num_blocks, smem + L.X, a.ldD, a.seg, smem + L.W1, nj, j0,
+                           smem + L.B1, smem + L.WT, t, smem + L.H1, a.ldH, a.rows, a.dt, partial, stage);
     cluster.sync();
-    cluster_layer<kHidden>(cluster, num_blocks, smem + L.H1, a.ldH, smem + L.W2, nj, j0, smem + L.B2,
-                           nullptr, t, smem + L.H2, a.ldH, a.rows, a.dt, smem + L.STAGE);
+    cluster_layer<kHidden>(cluster, num_blocks, smem + L.H1, a.ldH, a.seg, smem + L.W2, nj, j0,
+                           smem + L.B2, nullptr, t, smem + L.H2, a.ldH, a.rows, a.dt, partial, stage);
     cluster.sync();
-    cluster_layer<kUpdate>(cluster, num_blocks, smem + L.H2, a.ldH, smem + L.W3, nd, d0, smem + L.B3,
-                           nullptr, t, smem + L.X, a.ldD, a.rows, a.dt, smem + L.STAGE);
+    cluster_layer<kUpdate>(cluster, num_blocks, smem + L.H2, a.ldH, a.seg, smem + L.W3, nd, d0,
+                           smem + L.B3, nullptr, t, smem + L.X, a.ldD, a.rows, a.dt, partial, stage);
     cluster.sync();
   }
   // After the last barrier no block touches another's shared memory, so each
@@ -386,14 +403,22 @@ ClusterArgs cluster_args(const FlowEulerCall& c, int num_blocks) {
   static_cast<FlowParams&>(a) = flow_params(c);
   a.n1 = (a.H + num_blocks - 1) / num_blocks;
   a.n3 = (a.D + num_blocks - 1) / num_blocks;
-  a.ldD = round_up(a.D, kClusterKStride);
-  a.ldH = round_up(a.H, kClusterKStride);
+  a.ldD = round_up(a.D, kSegment);
+  a.ldH = round_up(a.H, kSegment);
   a.rows = round_up(a.B, 8);
+  // Longer segments for wide layers keep the partial sums within
+  // kMaxPartials (fewer, longer per-thread dot products).
+  const int widest = std::max(a.ldD, a.ldH);
+  a.seg = kSegment;
+  while (a.seg < widest &&
+         a.rows * std::max(a.n1 * segments(widest, a.seg), a.n3 * segments(a.ldH, a.seg)) > kMaxPartials) {
+    a.seg *= 2;
+  }
   return a;
 }
 
 size_t cluster_smem(const ClusterArgs& a) {
-  return sizeof(float) * size_t(ClusterLayout(a.n1, a.n3, a.ldD, a.ldH, a.rows).total);
+  return sizeof(float) * size_t(ClusterLayout(a.n1, a.n3, a.ldD, a.ldH, a.rows, a.seg).total);
 }
 
 // The cluster size to use for this call, or 0 when the cluster path does not apply.
@@ -575,7 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
 
   float* wbuf = smem + L.W;
   for (int k = 0; k < a.num_steps; ++k) {
-    const float t = step_time<float>(k, a.num_steps);
+    const float t = flow_step_time<float>(k, a.num_steps);
     tiled_layer<kHidden>(smem + L.X, L.ldD, D, a.KpD, a.w1, D + 1, H, smem + L.H1, L.ldH, smem + L.B1,
                          smem + L.WT, t, a.dt, wbuf);
     tiled_layer<kHidden>(smem + L.H1, L.ldH, H, a.KpH, a.w2, H, H, smem + L.H2, L.ldH, smem + L.B2,

@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
   __shared__ cuda::PhaseSmem<T> smem;
   cg::grid_group grid = cg::this_grid();
   const int64_t B = a.B, D = a.D, H = a.H, n = a.num_steps, BD = B * D, BH = B * H;
-  const T dt = T(1.0 / double(n));  // flow_step_size, as the host rounds it
+  const T dt = flow_step_size<T>(n);
   const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
 
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
   grid.sync();
 
   for (int64_t k = 0; k < n; ++k) {
-    const T t = T((double(k) + 0.5) / double(n));  // flow_step_time
+    const T t = flow_step_time<T>(k, n);
     const T* x = a.traj + k * BD;
     run_phase(smem, gemm_job(V{x, D, 1}, V{a.w1, 1, D + 1}, B, H, D,
                              ActEpilogue<T>{a.H1 + k * BH, a.S1 + k * BH, a.b1, a.w1 + D, H, D + 1, t}));

@@ -1,0 +1,106 @@
+// What one step of a cluster-resident kernel pays for synchronisation, measured
+// on the device: the time of a thread-block-cluster barrier (cluster.sync(),
+// i.e. barrier.cluster.arrive.release + wait.acquire) for cluster sizes 2-16,
+// alone and after a distributed-shared-memory "push" of the shape the flow_euler
+// cluster kernel does per layer (every block stores a [rows x n] slice, as
+// float4s, into all blocks of the cluster).  The flow_euler cluster path does
+// three such exchanges per Euler step, so 3 x the numbers below is its
+// per-step synchronisation floor.
+//
+// Standalone (no torch):  nvcc -O3 -arch=sm_90 -o cluster_sync bench/cluster_sync.cu && ./cluster_sync
+// One cluster is launched (as the flow kernel does); times are CUDA-event
+// times of the whole launch for N and 2N barriers, differenced, so launch
+// overhead and the one-off prologue cancel.
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace cg = cooperative_groups;
+
+#define CHECK(expr)                                                                           \
+  do {                                                                                        \
+    cudaError_t e_ = (expr);                                                                  \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_));                 \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+constexpr int kThreads = 256;
+
+// push_f4: float4s each block stores into EACH block of the cluster per
+// iteration (into its own region there, so no two blocks write one address).
+__global__ void __launch_bounds__(kThreads, 1) cluster_sync_kernel(int iters, int push_f4, float* sink) {
+  extern __shared__ float4 buf[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int nb = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  for (int i = threadIdx.x; i < nb * push_f4; i += kThreads) buf[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  cluster.sync();
+  for (int it = 0; it < iters; ++it) {
+    for (int i = threadIdx.x; i < nb * push_f4; i += kThreads) {
+      const int dst = i / push_f4, q = i - dst * push_f4;
+      float4* remote = cluster.map_shared_rank(buf + rank * push_f4, dst);
+      remote[q] = make_float4(float(it), float(q), 0.f, 1.f);
+    }
+    cluster.sync();
+  }
+  // Keep the stores observable.
+  if (threadIdx.x == 0 && push_f4 > 0) sink[blockIdx.x] = buf[0].x;
+}
+
+static float time_launch(int cluster, int iters, int push_f4, float* sink) {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  cfg.gridDim = dim3(cluster);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = size_t(cluster) * push_f4 * sizeof(float4);
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  float best = 1e30f;
+  for (int rep = 0; rep < 20; ++rep) {
+    CHECK(cudaEventRecord(a));
+    CHECK(cudaLaunchKernelEx(&cfg, cluster_sync_kernel, iters, push_f4, sink));
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (rep > 2 && ms < best) best = ms;  // minimum of the warm repetitions
+  }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return best * 1000.f;  // us
+}
+
+int main() {
+  CHECK(cudaFuncSetAttribute(cluster_sync_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&sink, 64 * sizeof(float)));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("us per cluster barrier (one cluster, 256 threads per block; difference of 960 vs 1920 barriers)\n");
+  std::printf("%8s %28s %10s\n", "cluster", "push per block per barrier", "us");
+  const int n = 960;
+  // Pushes: none; the flow default's layer 3 (8 rows x 4 columns = 8 float4
+  // to each block) and layers 1-2 (8 rows x 16 columns = 32 float4 to each).
+  for (int cluster : {2, 4, 8, 16}) {
+    for (int push_f4 : {0, 8, 32}) {
+      const float t1 = time_launch(cluster, n, push_f4, sink);
+      const float t2 = time_launch(cluster, 2 * n, push_f4, sink);
+      char what[64];
+      std::snprintf(what, sizeof(what), "%d float4 x %d blocks", push_f4, cluster);
+      std::printf("%8d %28s %10.3f\n", cluster, what, (t2 - t1) / n);
+    }
+  }
+  CHECK(cudaFree(sink));
+  return 0;
+}
