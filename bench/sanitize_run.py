@@ -47,7 +47,7 @@ FLOW_CASES = [
     (3, 5, 20, 2, torch.float32),  # cluster, everything padded
     (32, 100, 130, 2, torch.float32),  # cluster, 4 row chunks, ragged neuron slices
     (1, 1, 3, 1, torch.float32),  # cluster, smallest
-    (32, 64, 300, 2, torch.float32),  # cluster, 32-float k-segments (partial-sum cap)
+    (32, 64, 300, 2, torch.float32),  # cluster, long ragged k-segments
     (129, 100, 130, 2, torch.float32),  # tiled, ragged last tile, padded K
     (4096, 64, 256, 2, torch.float32),  # tiled, the large-batch default
     (40, 3, 300, 1, torch.float32),  # tiled, two column passes

@@ -4,7 +4,7 @@ reference program (DESIGN.md sections 2.2, 3 and 4).
 CUDA kernel paths and the sizes that reach them (csrc/cuda/flow_euler.cu):
   cluster  float32, sm_90, B <= 32 and the weights fit a cluster's shared
            memory: (B, D, H) = (8, 64, 256), (1, 1, 3), (3, 5, 20), (32, 100, 130),
-           (32, 64, 300) (32-float k-segments)
+           (32, 64, 300) (long ragged k-segments)
   tiled    float32, sm_80+, otherwise when a 32-row tile's activations fit
            shared memory: B = 4096 (D=64, H=256), (129, 100, 130), (33, 5, 20)
   general  float64, or float32 too large for both: (8, 5, 1100), (40, 3, 1100)
@@ -70,7 +70,7 @@ CASES = [
     (1, 1, 3, 1),  # cluster, smallest
     (3, 5, 20, 2),  # cluster
     (32, 100, 130, 7),  # cluster, largest B
-    (32, 64, 300, 3),  # cluster, longer k-segments (partial sums capped)
+    (32, 64, 300, 3),  # cluster, long ragged k-segments (4 row chunks)
     (8, 64, 256, 100),  # cluster, many steps
     (1, 100, 37, 32),
     (129, 100, 130, 7),  # tiled, ragged last tile
