@@ -14,8 +14,10 @@
 // same stream, all float32 and float64, grid-stride or tiled so no launch
 // depends on one thread per element fitting the grid:
 //
-//   act_kernel          bias (+ t * w1[:, D]) + SiLU, and SiLU' for the backward
-//   update_kernel       x_{k+1} = x_k + dt * (v + b3)   (trajectory recompute)
+//   ActEpilogue         bias (+ t * w1[:, D]) + SiLU, and SiLU' for the backward
+//   UpdateEpilogue      x_{k+1} = x_k + dt * (v + b3)   (trajectory recompute)
+//                       (both applied after cuBLAS by cuda::apply_epilogue, and
+//                       in the resident kernel's tile epilogues)
 //   colsum_kernel       kScale: g = g_in (+ pending g_x), g_v = dt * g
 //                       kMul:   g_a = g_h * silu'(a), in place
 //                       fused with the column sums of g_v / g_a over a chunk of
@@ -61,45 +63,11 @@ unsigned grid_for(int64_t n) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)));
 }
 
-// z = a + (bias[j] + t * w_time[j * ld_w]) (time term if w_time);  h = z / (1 + exp(-z));
-// s = sig * (1 + z * (1 - sig)), sig = 1 / (1 + exp(-z))  (if want_s; s may alias a).
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    act_kernel(const T* a, T* __restrict__ h, T* s, const T* __restrict__ bias,
-               const T* __restrict__ w_time, int64_t ld_w, T t, int64_t rows, int64_t cols,
-               bool want_s) {
-  const int64_t total = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t j = i % cols;
-    // The combined column offset first, as the CPU kernels round it.
-    const T c = w_time != nullptr ? bias[j] + t * w_time[j * ld_w] : bias[j];
-    const T z = a[i] + c;
-    const T den = T(1) + exp(-z);
-    h[i] = z / den;
-    if (want_s) {
-      const T sig = T(1) / den;
-      s[i] = sig * (T(1) + z * (T(1) - sig));
-    }
-  }
-}
-
 __device__ __forceinline__ float euler_step(float x, float dt, float v) {
   return __fadd_rn(x, __fmul_rn(dt, v));
 }
 __device__ __forceinline__ double euler_step(double x, double dt, double v) {
   return __dadd_rn(x, __dmul_rn(dt, v));
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    update_kernel(T* __restrict__ xn, const T* __restrict__ x, const T* __restrict__ v,
-                  const T* __restrict__ bias, T dt, int64_t rows, int64_t cols) {
-  const int64_t total = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    xn[i] = euler_step(x[i], dt, v[i] + bias[i % cols]);
-  }
 }
 
 enum ColsumMode { kScale = 0, kMul = 1 };
@@ -229,15 +197,20 @@ __global__ void __launch_bounds__(kThreads)
 //     R3     g = G + GA1[k] w1[:, :D];  k > 0: G = g, GV[k-1] = dt g;  k = 0: grad_x0 = g
 //   last     gw3 = GV^T H2, gw2 = GA2^T H1, gw1[:, :D] = GA1^T X over all n B rows;
 //            gb3, gb2, gb1 and gw1[:, D] = sum_k t_k colsum(GA1[k]) as column sums
-// The elementwise arithmetic is the streaming kernels' (act_kernel,
-// update_kernel's euler_step, colsum_kernel's g = g_in + add, dt * g), so
+// The elementwise arithmetic is the streaming mode's (the same ActEpilogue
+// and UpdateEpilogue, colsum_kernel's g = g_in + add, dt * g), so
 // both modes round the same way; only the sums' order differs (tiles sum k
 // in order, column sums in double).  At B = 8 every phase is a handful of
 // tiles: the step is bound by the barriers and the products' latency, not
 // by the FLOPs, and it no longer pays ~12 host calls per Euler step.
 
+// Hidden layer, both modes: z = v + (bias[j] + t * w_time[j * ld_w]) (the
+// time term if w_time; the combined column offset first, as the CPU kernels
+// round it), h = SiLU(z) = z / (1 + exp(-z)) and, if s, SiLU'(z) =
+// sig (1 + z (1 - sig)).  s may be the product's own buffer (written after
+// the element is read).
 template <typename T>
-struct ActEpilogue {  // act_kernel's arithmetic, for both hidden layers
+struct ActEpilogue {
   T *h, *s;
   const T *bias, *w_time;
   int64_t ld, ld_w;  // ld: row stride of h and s; w_time column stride (w1's row stride)
@@ -247,13 +220,15 @@ struct ActEpilogue {  // act_kernel's arithmetic, for both hidden layers
     const T z = v + c;
     const T den = T(1) + exp(-z);
     h[r * ld + j] = z / den;
-    const T sig = T(1) / den;
-    s[r * ld + j] = sig * (T(1) + z * (T(1) - sig));
+    if (s != nullptr) {
+      const T sig = T(1) / den;
+      s[r * ld + j] = sig * (T(1) + z * (T(1) - sig));
+    }
   }
 };
 
 template <typename T>
-struct UpdateEpilogue {  // x_{k+1} = x_k + dt (v + b3), update_kernel's rounding
+struct UpdateEpilogue {  // x_{k+1} = x_k + dt (v + b3), rounded like the reference (no FMA)
   T* xn;
   const T *x, *b3;
   int64_t D;
@@ -287,36 +262,12 @@ struct AdjointEpilogue {  // g = G + v, as colsum_kernel<kScale> adds the pendin
   }
 };
 
-// w1's time column: out[j * ld_out] = sum_r t_{r / B} in[r * H + j] over the
-// n B stacked rows, in double (one 32-column strip per unit, like
-// cuda::ColumnSumJob).
+// Row weight of w1's time column over the n B stacked rows: t_{r / B}, as
+// the host rounds it.
 template <typename T>
-struct TimeColumnJob {
-  const T* in;
-  int64_t H, rows, B, num_steps, ld_out;
-  T* out;
-
-  __device__ int64_t units() const { return (H + cuda::kTile - 1) / cuda::kTile; }
-
-  __device__ void run(int64_t unit, cuda::PhaseSmem<T>& smem) const {
-    constexpr int kGroups = cuda::kTileThreads / cuda::kTile;
-    const int col = threadIdx.x % cuda::kTile, group = threadIdx.x / cuda::kTile;
-    const int64_t j = unit * cuda::kTile + col;
-    double acc = 0;
-    if (j < H)
-      for (int64_t r = group; r < rows; r += kGroups) {
-        const T t = T((double(r / B) + 0.5) / double(num_steps));  // t_k as the host rounds it
-        acc += double(t) * double(in[r * H + j]);
-      }
-    smem.colsum[group][col] = acc;
-    __syncthreads();
-    if (group == 0 && j < H) {
-      double total = 0;
-      for (int g = 0; g < kGroups; ++g) total += smem.colsum[g][col];
-      out[j * ld_out] = T(total);
-    }
-    __syncthreads();
-  }
+struct StepTimeWeight {
+  int64_t B, num_steps;
+  __device__ double operator()(int64_t r) const { return double(flow_step_time<T>(r / B, num_steps)); }
 };
 
 template <typename T>
@@ -375,7 +326,7 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
             gemm_job(V{a.GA1, 1, H}, V{a.traj, D, 1}, H, D, R, cuda::StoreEpilogue<T>{a.gw1, D + 1}),
             ColumnSumJob<T>{a.GV, D, D, R, a.gb3}, ColumnSumJob<T>{a.GA2, H, H, R, a.gb2},
             ColumnSumJob<T>{a.GA1, H, H, R, a.gb1},
-            TimeColumnJob<T>{a.GA1, H, R, B, n, D + 1, a.gw1 + D});
+            cuda::ColumnSumJob<T, StepTimeWeight<T>>{a.GA1, H, H, R, a.gw1 + D, D + 1, {B, n}});
 }
 
 template <typename T>
@@ -416,13 +367,13 @@ struct CudaOps {
 
   void act(const T* A, T* Hout, T* S, const T* bias, const T* w_time, int64_t ld_w, T t,
            bool want_s) const {
-    act_kernel<T><<<grid_for(B * H), kThreads, 0, stream>>>(A, Hout, S, bias, w_time, ld_w, t, B,
-                                                            H, want_s);
+    cuda::apply_epilogue(stream, A, H, B, H,
+                         ActEpilogue<T>{Hout, want_s ? S : nullptr, bias, w_time, H, ld_w, t});
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 
   void update(T* xn, const T* x, const T* V, const T* b3, T dt) const {
-    update_kernel<T><<<grid_for(B * D), kThreads, 0, stream>>>(xn, x, V, b3, dt, B, D);
+    cuda::apply_epilogue(stream, V, D, B, D, UpdateEpilogue<T>{xn, x, b3, D, dt});
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 

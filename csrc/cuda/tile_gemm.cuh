@@ -135,20 +135,51 @@ struct StoreEpilogue {
   __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v; }
 };
 
+// A tile epilogue applied to a matrix already in memory (the product came
+// from cuBLAS): epi(r, c, v[r * ldv + c]) for r < rows, c < cols, one thread
+// per element, so an epilogue may overwrite the element it reads.  The
+// persistent and the cuBLAS paths of a backward op thus share one copy of
+// each elementwise stage's arithmetic.
+template <typename T, typename Epi>
+__global__ void __launch_bounds__(kTileThreads)
+    apply_epilogue_kernel(const T* v, int64_t ldv, int64_t rows, int64_t cols, Epi epi) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    epi(r, c, v[r * ldv + c]);
+  }
+}
+
+template <typename T, typename Epi>
+void apply_epilogue(cudaStream_t stream, const T* v, int64_t ldv, int64_t rows, int64_t cols, Epi epi) {
+  const int64_t blocks = (rows * cols + kTileThreads - 1) / kTileThreads;
+  const unsigned grid = unsigned(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks));
+  apply_epilogue_kernel<T, Epi><<<grid, kTileThreads, 0, stream>>>(v, ldv, rows, cols, epi);
+}
+
 template <typename T, typename Epi>
 __device__ GemmJob<T, Epi> gemm_job(MatView<T> a, MatView<T> b, int64_t M, int64_t N, int64_t K,
                                     Epi epi) {
   return {a, b, M, N, K, epi};
 }
 
-// out[j] = sum_r in[r * ld + j] for j < n over `rows` rows (bias gradients).
-// A unit is 32 columns: 8 row groups sum in double, then one fixed-order
-// pass adds the 8 partials; no atomics, so reproducible.
-template <typename T>
+// Row weight 1 of a plain column sum.
+struct Unweighted {
+  __device__ double operator()(int64_t) const { return 1.0; }
+};
+
+// out[j * out_stride] = sum_r weight(r) in[r * ld + j] for j < n over `rows`
+// rows (bias gradients; a weighted sum for a time-feature column).  A unit
+// is 32 columns: 8 row groups sum in double, then one fixed-order pass adds
+// the 8 partials; no atomics, so reproducible.
+template <typename T, typename Weight = Unweighted>
 struct ColumnSumJob {
   const T* in;
   int64_t ld, n, rows;
   T* out;
+  int64_t out_stride = 1;
+  Weight weight = {};
 
   __device__ int64_t units() const { return (n + kTile - 1) / kTile; }
 
@@ -158,13 +189,13 @@ struct ColumnSumJob {
     const int64_t j = unit * kTile + col;
     double acc = 0;
     if (j < n)
-      for (int64_t r = group; r < rows; r += kGroups) acc += double(in[r * ld + j]);
+      for (int64_t r = group; r < rows; r += kGroups) acc += weight(r) * double(in[r * ld + j]);
     smem.colsum[group][col] = acc;
     __syncthreads();
     if (group == 0 && j < n) {
       double total = 0;
       for (int g = 0; g < kGroups; ++g) total += smem.colsum[g][col];
-      out[j] = T(total);
+      out[j * out_stride] = T(total);
     }
     __syncthreads();  // the next unit reuses the shared memory
   }

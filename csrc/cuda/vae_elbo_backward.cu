@@ -82,7 +82,7 @@ unsigned grid_for(int64_t n) {
 // Element (b, i) of the logits before their bias -> the gradient at the
 // logits (BCE backward with PyTorch's clamp, then sigmoid backward) into ga3
 // and BCE's target gradient -logit(p) * d_recon into gx (zero where d_recon
-// is zero).  Both paths: a tile epilogue, and bce_backward_kernel.
+// is zero).  Both paths: a tile epilogue, and cuda::apply_epilogue after cuBLAS.
 template <typename T>
 struct BceBackward {
   const T *b_dec2, *x, *g_elbo, *g_recon;
@@ -103,7 +103,7 @@ struct BceBackward {
 
 // Element (b, l) of the gradient at z, with mu/logvar (ml [B, 2L]) and eps
 // -> gml [B, 2L] = [gmu, glv] and geps [B, L].  Both paths: a tile epilogue,
-// and latent_backward_kernel.
+// and cuda::apply_epilogue after cuBLAS.
 template <typename T>
 struct LatentBackward {
   const T *ml, *eps, *g_elbo, *g_kl;
@@ -119,64 +119,68 @@ struct LatentBackward {
   }
 };
 
-// v[r, j] = max(v[r, j] + b[j], 0) for r < rows, j < n.
+// Tile epilogues: (m, n, value of the product at (m, n)).
 template <typename T>
-__global__ void bias_relu_kernel(T* v, const T* b, int64_t rows, int64_t n) {
-  const int64_t total = rows * n;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const T u = v[k] + b[k % n];
-    v[k] = u < T(0) ? T(0) : u;
+struct AddTo {
+  T* c;
+  int64_t ldc;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] += v; }
+};
+
+template <typename T>
+struct AddBias {
+  T* c;
+  int64_t ldc;
+  const T* bias;
+  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v + bias[n]; }
+};
+
+template <typename T>
+struct AddBiasRelu {
+  T* c;
+  int64_t ldc;
+  const T* bias;
+  __device__ void operator()(int64_t m, int64_t n, T v) const {
+    const T u = v + bias[n];
+    c[m * ldc + n] = u < T(0) ? T(0) : u;
   }
-}
+};
 
-// ml [B, 2L] holds h @ [w_mu; w_logvar]^T; adds the biases in place (mu,
-// logvar) and writes z = mu + exp(0.5 logvar) * eps.
+// ReLU backward on the ReLU's output `act` (same layout as c).
 template <typename T>
-__global__ void latent_forward_kernel(T* ml, const T* b_mu, const T* b_lv, const T* eps, T* z,
-                                      int64_t B, int64_t L) {
-  const int64_t total = B * L;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t b = k / L, l = k % L;
-    T* m = ml + b * 2 * L;
-    const T mu = m[l] + b_mu[l];
-    const T lv = m[L + l] + b_lv[l];
-    m[l] = mu;
-    m[L + l] = lv;
-    z[k] = mu + dexp(T(0.5) * lv) * eps[k];
+struct ReluMask {
+  T* c;
+  int64_t ldc;
+  const T* act;
+  __device__ void operator()(int64_t m, int64_t n, T v) const {
+    c[m * ldc + n] = act[m * ldc + n] > T(0) ? v : T(0);
   }
-}
+};
 
-// a3 [B, I] holds g @ w_dec2^T: replaced in place by the gradient at the
-// logits; gx gets BCE's target gradient (BceBackward).
+// z = mu + exp(logvar / 2) * eps from ml [B, 2L] (mu, logvar with biases).
 template <typename T>
-__global__ void bce_backward_kernel(T* a3, const T* b_dec2, const T* x, const T* g_elbo,
-                                    const T* g_recon, T* gx, int64_t B, int64_t I) {
-  const BceBackward<T> bce{b_dec2, x, g_elbo, g_recon, a3, gx, I};
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < B * I;
-       k += int64_t(gridDim.x) * blockDim.x)
-    bce(k / I, k % I, a3[k]);
-}
-
-// v[k] = 0 where act[k] <= 0 (ReLU backward on the ReLU's output).
-template <typename T>
-__global__ void relu_mask_kernel(T* v, const T* act, int64_t n) {
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < n;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    if (!(act[k] > T(0))) v[k] = T(0);
+struct Reparameterize {
+  const T *ml, *eps;
+  T* z;
+  int64_t L;
+  __device__ void operator()(int64_t b, int64_t l, T) const {
+    z[b * L + l] = ml[b * 2 * L + l] + dexp(T(0.5) * ml[b * 2 * L + L + l]) * eps[b * L + l];
   }
-}
+};
 
-// From gz [B, L] (gradient at z): gml and geps (LatentBackward).
+// The cuBLAS path's latent stage in one launch: ml [B, 2L] holds h @
+// [w_mu; w_logvar]^T; adds both biases in place, then z.
 template <typename T>
-__global__ void latent_backward_kernel(const T* gz, const T* ml, const T* eps, const T* g_elbo,
-                                       const T* g_kl, T* gml, T* geps, int64_t B, int64_t L) {
-  const LatentBackward<T> latent{ml, eps, g_elbo, g_kl, gml, geps, L};
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < B * L;
-       k += int64_t(gridDim.x) * blockDim.x)
-    latent(k / L, k % L, gz[k]);
-}
+struct LatentForward {
+  AddBias<T> mu, lv;
+  Reparameterize<T> reparameterize;
+  __device__ void operator()(int64_t b, int64_t l, T) const {
+    const int64_t L = reparameterize.L;
+    mu(b, l, mu.c[b * 2 * L + l]);
+    lv(b, l, lv.c[b * 2 * L + l]);
+    reparameterize(b, l, T(0));
+  }
+};
 
 template <typename T>
 __global__ void add_kernel(T* out, const T* v, int64_t n) {
@@ -237,46 +241,6 @@ struct PersistentArgs {
   T *h, *ml, *z, *g, *ga3, *ga2, *gml, *ga1, *w_mulv;
 };
 
-// Tile epilogues: (m, n, value of the product at (m, n)).
-template <typename T>
-struct AddTo {
-  T* c;
-  int64_t ldc;
-  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] += v; }
-};
-
-template <typename T>
-struct AddBias {
-  T* c;
-  int64_t ldc;
-  const T* bias;
-  __device__ void operator()(int64_t m, int64_t n, T v) const { c[m * ldc + n] = v + bias[n]; }
-};
-
-template <typename T>
-struct AddBiasRelu {
-  T* c;
-  int64_t ldc;
-  const T* bias;
-  __device__ void operator()(int64_t m, int64_t n, T v) const {
-    const T u = v + bias[n];
-    c[m * ldc + n] = u < T(0) ? T(0) : u;
-  }
-};
-
-// ReLU backward on the ReLU's output `act` (same layout as c).
-template <typename T>
-struct ReluMask {
-  T* c;
-  int64_t ldc;
-  const T* act;
-  __device__ void operator()(int64_t m, int64_t n, T v) const {
-    c[m * ldc + n] = act[m * ldc + n] > T(0) ? v : T(0);
-  }
-};
-
-
-
 // The nine phases of the header comment; grid.sync() between them.
 template <typename T>
 __global__ void __launch_bounds__(cuda::kTileThreads)
@@ -302,10 +266,8 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
             gemm_job(V{p.h, H, 1}, V{p.w_lv, 1, H}, B, L, H, AddBias<T>{p.ml + L, L2, p.b_lv}));
   grid.sync();
 
-  for (int64_t k = tid; k < B * L; k += nthreads) {
-    const int64_t b = k / L, l = k % L;
-    p.z[k] = p.ml[b * L2 + l] + dexp(T(0.5) * p.ml[b * L2 + L + l]) * p.eps[k];
-  }
+  const Reparameterize<T> reparameterize{p.ml, p.eps, p.z, L};
+  for (int64_t k = tid; k < B * L; k += nthreads) reparameterize(k / L, k % L, T(0));
   grid.sync();
 
   run_phase(smem, gemm_job(V{p.z, L, 1}, V{p.w_d1, 1, L}, B, H, L, AddBiasRelu<T>{p.g, H, p.b_d1}));
@@ -454,31 +416,32 @@ void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
 
   // ---- forward recompute
   linear_nt(x, I, w_enc, I, h, H, B, H, I, dev);
-  bias_relu_kernel<T><<<grid_for(B * H), kThreads, 0, stream>>>(h, c.b_enc.const_data_ptr<T>(), B, H);
+  cuda::apply_epilogue(stream, h, H, B, H, AddBiasRelu<T>{h, H, c.b_enc.const_data_ptr<T>()});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   linear_nt(h, H, static_cast<const T*>(w_mulv), H, ml, 2 * L, B, 2 * L, H, dev);
-  latent_forward_kernel<T><<<grid_for(B * L), kThreads, 0, stream>>>(
-      ml, c.b_mu.const_data_ptr<T>(), c.b_logvar.const_data_ptr<T>(), eps, z, B, L);
+  cuda::apply_epilogue(stream, ml, 2 * L, B, L,
+                       LatentForward<T>{{ml, 2 * L, c.b_mu.const_data_ptr<T>()},
+                                        {ml + L, 2 * L, c.b_logvar.const_data_ptr<T>()},
+                                        {ml, eps, z, L}});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   linear_nt(static_cast<const T*>(z), L, w_d1, L, g, H, B, H, L, dev);
-  bias_relu_kernel<T><<<grid_for(B * H), kThreads, 0, stream>>>(g, c.b_dec1.const_data_ptr<T>(), B, H);
+  cuda::apply_epilogue(stream, g, H, B, H, AddBiasRelu<T>{g, H, c.b_dec1.const_data_ptr<T>()});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   linear_nt(static_cast<const T*>(g), H, w_d2, H, a3, I, B, I, H, dev);
 
   // ---- decoder backward
-  bce_backward_kernel<T><<<grid_for(B * I), kThreads, 0, stream>>>(
-      a3, c.b_dec2.const_data_ptr<T>(), x, g_elbo, g_recon, gx, B, I);
+  cuda::apply_epilogue(stream, a3, I, B, I,
+                       BceBackward<T>{c.b_dec2.const_data_ptr<T>(), x, g_elbo, g_recon, a3, gx, I});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   matmul(static_cast<const T*>(a3), 1, I, static_cast<const T*>(g), H, 1, gw_d2, H, I, H, B, dev);
   matmul(static_cast<const T*>(a3), I, 1, w_d2, H, 1, ga2, H, B, H, I, dev);
-  relu_mask_kernel<T><<<grid_for(B * H), kThreads, 0, stream>>>(ga2, g, B * H);
+  cuda::apply_epilogue(stream, ga2, H, B, H, ReluMask<T>{ga2, H, g});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   matmul(static_cast<const T*>(ga2), 1, H, static_cast<const T*>(z), L, 1, gw_d1, L, H, L, B, dev);
   matmul(static_cast<const T*>(ga2), H, 1, w_d1, L, 1, gz, L, B, L, H, dev);
 
   // ---- reparameterisation + KL backward
-  latent_backward_kernel<T><<<grid_for(B * L), kThreads, 0, stream>>>(gz, ml, eps, g_elbo, g_kl,
-                                                                       gml, geps, B, L);
+  cuda::apply_epilogue(stream, gz, L, B, L, LatentBackward<T>{ml, eps, g_elbo, g_kl, gml, geps, L});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   matmul(static_cast<const T*>(gml), 1, 2 * L, static_cast<const T*>(h), H, 1, gw_mu, H, L, H, B, dev);
   matmul(static_cast<const T*>(gml + L), 1, 2 * L, static_cast<const T*>(h), H, 1, gw_lv, H, L, H, B,
@@ -487,7 +450,7 @@ void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
   // ---- encoder backward
   matmul(static_cast<const T*>(gml), 2 * L, 1, static_cast<const T*>(w_mulv), H, 1, ga1, H, B, H,
          2 * L, dev);
-  relu_mask_kernel<T><<<grid_for(B * H), kThreads, 0, stream>>>(ga1, h, B * H);
+  cuda::apply_epilogue(stream, ga1, H, B, H, ReluMask<T>{ga1, H, h});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   matmul(static_cast<const T*>(ga1), 1, H, x, I, 1, gw_enc, I, H, I, B, dev);
 
