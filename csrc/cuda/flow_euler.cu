@@ -30,16 +30,23 @@
 //          host-prepared dividers (cuda/int_divider.cuh).
 //
 // tiled    float32, compute capability >= 8.0, any B, when a 32-row tile's
-//          activations and two weight chunks fit shared memory (D, H up to
-//          ~500): one launch, one block of 256 threads per 32 rows, running
-//          its rows through all steps with x, h1, h2 in shared memory.  Each
-//          layer is a [32 x K] x [K x N] product on tensor cores in 3xTF32
-//          (cuda/tf32x3.cuh: float32 accuracy), weights streamed from L2
-//          through shared memory in 32-column k-chunks (double-buffered, the
-//          next chunk's global loads in flight during the current chunk's
-//          products), output columns in passes of 256 spread over the 8 warps
+//          activations and three weight chunks fit shared memory (D, H up
+//          to ~500): a packing kernel, then one launch, one block of 256
+//          threads per 32 rows, running its rows through all steps with x,
+//          h1, h2 in shared memory.  Each layer is a [32 x K] x [K x N]
+//          product on tensor cores in 3xTF32 (cuda/tf32x3.cuh: float32
+//          accuracy).  The weights are packed once per call into the order
+//          and fragment layout the products consume (flow_pack_weights_kernel),
+//          so they stream from L2 through shared memory in 32 KB chunks by
+//          cp.async (cuda/cp_async.cuh: 16 bytes per instruction, three
+//          chunks in flight) and a lane reads its B fragment with one 8-byte
+//          load; output columns go in passes of 256 spread over the 8 warps
 //          (n-tiles warp, warp+8, ... so small N still uses every warp).
-//          B = 4096 is 128 blocks: one wave on the H200's 132 SMs.
+//          The first version staged the raw weights through registers with
+//          per-element index arithmetic, which with the splits made ~18
+//          instructions per tensor-core product (ncu, run Q): it issued
+//          instructions, not products.  B = 4096 is 128 blocks: one wave on
+//          the H200's 132 SMs.
 //
 // general  anything else (float64, larger sizes, older GPUs): one simple
 //          kernel per layer and step, one thread per output element,
@@ -61,6 +68,7 @@
 #include <optional>
 #include <tuple>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/int_divider.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
@@ -493,19 +501,74 @@ void launch_cluster(const FlowEulerCall& c, int num_blocks) {
 // tiled path (sm_80+, 3xTF32 tensor cores)
 // ---------------------------------------------------------------------------
 
-constexpr int kTileRows = 32;               // two m16 tiles
-constexpr int kKChunk = 32;                 // weight columns staged per chunk
-constexpr int kChunkLd = kKChunk + 4;       // == 4 (mod 32): conflict-free fragment reads
-constexpr int kPassCols = kWarps * 4 * 8;   // output columns per pass: 4 n8-tiles per warp
-constexpr int kStage = kPassCols * kKChunk / kThreads;  // staged elements per thread
+constexpr int kTileRows = 32;                   // two m16 tiles
+constexpr int kKChunk = 32;                     // weight columns (k) per staged chunk
+constexpr int kPassCols = kWarps * 4 * 8;       // output columns per pass: 4 n8-tiles per warp
+constexpr int kPassTiles = kPassCols / 8;       // n8-tiles per pass
+constexpr int kFragFloats = kWarpSize * 2;      // one B fragment (k8 x n8) of a warp: 2 per lane
+constexpr int kChunkFloats = kKChunk / 8 * kPassTiles * kFragFloats;  // a full chunk: 32 KB
+constexpr int kStages = 3;                      // chunks in flight: compute q, land q+1, load q+2
+
+// Packed weights (flow_pack_weights_kernel, once per call): each layer's
+// [N, K] weight becomes a sequence of chunks in the order the tile kernel
+// consumes them -- pass p (256 output columns), then k-chunk kc -- each laid
+// out as [kk][n8-tile][lane][2] with lane (g, t) holding W[n = 8 tile + g][k]
+// and W[n][k + 4], k = 32 kc + 8 kk + t: exactly the B fragments of
+// mma.m16n8k8, so a lane reads its fragment with one 8-byte shared load, and
+// a chunk is one contiguous block that cp.async copies 16 bytes per
+// instruction.  Zero past N and K.  Only the last pass may have fewer than
+// kPassTiles tiles (pass_tiles), so chunk offsets stay closed-form.
+__host__ __device__ inline int pass_tiles(int N, int p) {
+  const int left = (N - p * kPassCols + 7) / 8;
+  return left < kPassTiles ? left : kPassTiles;
+}
+__host__ __device__ inline int64_t packed_chunk_offset(int N, int kchunks, int p, int kc) {
+  constexpr int kPerTile = kKChunk / 8 * kFragFloats;  // floats of one n8-tile's column of a chunk
+  return int64_t(kPerTile) * (int64_t(kchunks) * kPassTiles * p + int64_t(kc) * pass_tiles(N, p));
+}
+inline int64_t packed_size(int N, int kchunks) {
+  return int64_t(kKChunk / 8 * kFragFloats) * kchunks * ((N + 7) / 8);
+}
+
+struct PackLayer {
+  const float* w;  // [N, K] with row stride ld
+  int64_t ld;
+  int N, K, kchunks;
+  float* out;
+};
+
+struct PackArgs {
+  PackLayer layer[3];  // w1 (without its time column), w2, w3; blockIdx.y picks one
+};
+
+__global__ void __launch_bounds__(kThreads) flow_pack_weights_kernel(const PackArgs args) {
+  // (Selected field by field, not indexed: a dynamic index copies the array to local memory.)
+  const PackLayer l = blockIdx.y == 0 ? args.layer[0] : (blockIdx.y == 1 ? args.layer[1] : args.layer[2]);
+  const int tiles = (l.N + 7) / 8;
+  // Element (kc, kk, tile, lane, e), e fastest: consecutive threads write
+  // consecutive packed floats.
+  const int64_t total = int64_t(l.kchunks) * (kKChunk / 8) * tiles * kFragFloats;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int e = int(i % 2), lane = int(i / 2 % kWarpSize);
+    const int64_t f = i / kFragFloats;
+    const int tile = int(f % tiles), kk = int(f / tiles % (kKChunk / 8)), kc = int(f / tiles / (kKChunk / 8));
+    const int p = tile / kPassTiles, nt = tile % kPassTiles;
+    const int n = tile * 8 + lane / 4, k = kc * kKChunk + kk * 8 + lane % 4 + 4 * e;
+    const float v = (n < l.N && k < l.K) ? l.w[int64_t(n) * l.ld + k] : 0.f;
+    l.out[packed_chunk_offset(l.N, l.kchunks, p, kc) +
+          (int64_t(kk) * pass_tiles(l.N, p) + nt) * kFragFloats + lane * 2 + e] = v;
+  }
+}
 
 struct TiledArgs : FlowParams {
-  int KpD, KpH;  // D, H rounded up to kKChunk
+  int KpD, KpH;                   // D, H rounded up to kKChunk
+  const float *pw1, *pw2, *pw3;   // packed weights (w1 without its time column)
 };
 
 // Shared memory of one tile block, in floats.  Activation rows are K padded
 // to kKChunk plus 4 (== 4 mod 32, so the 8 rows x 4 columns of an A fragment
-// hit 32 different banks).
+// hit 32 different banks); kStages chunk buffers.
 struct TiledLayout {
   int ldD, ldH, X, H1, H2, W, B1, WT, B2, B3, total;
   __host__ __device__ TiledLayout(int KpD, int KpH, int D, int H) {
@@ -515,7 +578,7 @@ struct TiledLayout {
     H1 = X + kTileRows * ldD;
     H2 = H1 + kTileRows * ldH;
     W = H2 + kTileRows * ldH;
-    B1 = W + 2 * kPassCols * kChunkLd;
+    B1 = W + kStages * kChunkFloats;
     WT = B1 + H;
     B2 = WT + H;
     B3 = B2 + H;
@@ -524,45 +587,46 @@ struct TiledLayout {
 };
 
 // One layer of the tile kernel: out[r, n] for the tile's 32 rows and n < N
-// from in[r, k < K] (row stride ld_in, zero for K <= k < Kp) and the global
-// weights W[n, k] (row stride ld_w).  See the file comment for the schedule.
+// from in[r, k < Kp] (row stride ld_in, zero for k >= the true K) and the
+// layer's packed weights Wp.  See the file comment for the schedule.
 template <int MODE>
-__device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int K, int Kp,
-                                            const float* __restrict__ W, int ld_w, int N,
-                                            float* out, int ld_out, const float* bias,
-                                            const float* w_time, float t, float dt, float* wbuf) {
+__device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int Kp,
+                                            const float* __restrict__ Wp, int N, float* out,
+                                            int ld_out, const float* bias, const float* w_time,
+                                            float t, float dt, float* wbuf) {
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, tq = lane % 4;
   const int kchunks = Kp / kKChunk, passes = (N + kPassCols - 1) / kPassCols;
   const int num_chunks = kchunks * passes;
 
-  // Staging: element i of a thread is (row tid/32 + 8 i, column lane) of the
-  // chunk, so each warp reads 128 contiguous bytes of one weight row.
-  float stage[kStage];
-  auto load = [&](int q) {
-    const int p = q / kchunks, kc = q - p * kchunks;
-    const int k = kc * kKChunk + lane;
-#pragma unroll
-    for (int i = 0; i < kStage; ++i) {
-      const int n = p * kPassCols + warp + kWarps * i;
-      stage[i] = (n < N && k < K) ? __ldg(W + int64_t(n) * ld_w + k) : 0.f;
+  // Chunk q's copies into buffer q % kStages, one commit group per chunk
+  // (empty past the last chunk, so every thread's group count is uniform).
+  auto issue = [&](int q) {
+    if (q < num_chunks) {
+      const int p = q / kchunks, kc = q - p * kchunks;
+      const float* src = Wp + packed_chunk_offset(N, kchunks, p, kc);
+      float* dst = wbuf + (q % kStages) * kChunkFloats;
+      const int granules = pass_tiles(N, p) * (kKChunk / 8 * kFragFloats / 4);
+      for (int i = tid; i < granules; i += kThreads) cuda::cp_async_16(dst + 4 * i, src + 4 * i);
     }
+    cuda::cp_async_commit();
   };
 
   // The previous layer's last chunks may still be read from wbuf, and its
   // output (this layer's input) written: wait for every warp.
   __syncthreads();
+  issue(0);
+  issue(1);
   float acc[2][4][4];
-  load(0);
   for (int q = 0; q < num_chunks; ++q) {
     const int p = q / kchunks, kc = q - p * kchunks;
-    float* buf = wbuf + (q & 1) * kPassCols * kChunkLd;
-#pragma unroll
-    for (int i = 0; i < kStage; ++i) buf[(warp + kWarps * i) * kChunkLd + lane] = stage[i];
-    // buf was last read for chunk q - 2, before every thread passed the
-    // barrier of chunk q - 1; this barrier publishes the stores.
+    const int tiles = pass_tiles(N, p);
+    // Chunk q has landed (this thread's copies), then everyone's; every
+    // thread is past chunk q - 1, whose buffer chunk q + 2 now reuses.
+    cuda::cp_async_wait<1>();
     __syncthreads();
-    if (q + 1 < num_chunks) load(q + 1);
+    issue(q + 2);
+    const float* buf = wbuf + (q % kStages) * kChunkFloats;
     if (kc == 0) {
 #pragma unroll
       for (int m = 0; m < 2; ++m)
@@ -572,8 +636,8 @@ __device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int K, i
           for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
     }
 #pragma unroll
-    for (int kk = 0; kk < kKChunk; kk += 8) {
-      const int k = kc * kKChunk + kk;
+    for (int kk = 0; kk < kKChunk / 8; ++kk) {
+      const int k = kc * kKChunk + kk * 8;
       cuda::SplitTf32 a[2][4];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
@@ -586,10 +650,10 @@ __device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int K, i
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int n_local = (warp + kWarps * i) * 8;
-        if (p * kPassCols + n_local >= N) continue;  // warp-uniform
-        const float* wcol = buf + (n_local + g) * kChunkLd + kk + tq;
-        const cuda::SplitTf32 b[2] = {cuda::split_tf32(wcol[0]), cuda::split_tf32(wcol[4])};
+        const int nt = warp + kWarps * i;
+        if (nt >= tiles) continue;  // warp-uniform
+        const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + nt) * kFragFloats + lane * 2);
+        const cuda::SplitTf32 b[2] = {cuda::split_tf32(w.x), cuda::split_tf32(w.y)};
         cuda::mma_3xtf32_m16n8k8(acc[0][i], a[0], b);
         cuda::mma_3xtf32_m16n8k8(acc[1][i], a[1], b);
       }
@@ -645,12 +709,12 @@ __global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
   float* wbuf = smem + L.W;
   for (int k = 0; k < a.num_steps; ++k) {
     const float t = flow_step_time<float>(k, a.num_steps);
-    tiled_layer<kHidden>(smem + L.X, L.ldD, D, a.KpD, a.w1, D + 1, H, smem + L.H1, L.ldH, smem + L.B1,
-                         smem + L.WT, t, a.dt, wbuf);
-    tiled_layer<kHidden>(smem + L.H1, L.ldH, H, a.KpH, a.w2, H, H, smem + L.H2, L.ldH, smem + L.B2,
-                         nullptr, t, a.dt, wbuf);
-    tiled_layer<kUpdate>(smem + L.H2, L.ldH, H, a.KpH, a.w3, H, D, smem + L.X, L.ldD, smem + L.B3,
-                         nullptr, t, a.dt, wbuf);
+    tiled_layer<kHidden>(smem + L.X, L.ldD, a.KpD, a.pw1, H, smem + L.H1, L.ldH, smem + L.B1, smem + L.WT,
+                         t, a.dt, wbuf);
+    tiled_layer<kHidden>(smem + L.H1, L.ldH, a.KpH, a.pw2, H, smem + L.H2, L.ldH, smem + L.B2, nullptr, t,
+                         a.dt, wbuf);
+    tiled_layer<kUpdate>(smem + L.H2, L.ldH, a.KpH, a.pw3, D, smem + L.X, L.ldD, smem + L.B3, nullptr, t,
+                         a.dt, wbuf);
   }
   __syncthreads();
   for (int i = tid; i < rows * D; i += kThreads) {
@@ -682,11 +746,28 @@ bool tiled_applies(const FlowEulerCall& c) {
 }
 
 void launch_tiled(const FlowEulerCall& c) {
-  const TiledArgs a = tiled_args(c);
+  TiledArgs a = tiled_args(c);
+  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
+  // Pack the three weights (w1 without its time column) into one workspace;
+  // each layer's size is a multiple of 256 floats, so every chunk stays
+  // 16-byte aligned for cp.async.
+  const int kD = a.KpD / kKChunk, kH = a.KpH / kKChunk;
+  const int64_t s1 = packed_size(a.H, kD), s2 = packed_size(a.H, kH), s3 = packed_size(a.D, kH);
+  Tensor packed = empty_like_device(c.x, {s1 + s2 + s3});
+  float* pw = packed.mutable_data_ptr<float>();
+  const PackArgs pack{{{a.w1, a.D + 1, a.H, a.D, kD, pw},
+                       {a.w2, a.H, a.H, a.H, kH, pw + s1},
+                       {a.w3, a.H, a.D, a.H, kH, pw + s1 + s2}}};
+  const int64_t largest = std::max({s1, s2, s3});
+  const dim3 pack_grid(unsigned(std::min<int64_t>((largest + kThreads - 1) / kThreads, 1024)), 3);
+  flow_pack_weights_kernel<<<pack_grid, kThreads, 0, stream>>>(pack);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  a.pw1 = pw, a.pw2 = pw + s1, a.pw3 = pw + s1 + s2;
+
   const size_t smem = tiled_smem(a);
   cuda::allow_dynamic_smem(flow_tiled_kernel, smem);
   const unsigned grid = unsigned((c.B + kTileRows - 1) / kTileRows);
-  flow_tiled_kernel<<<grid, kThreads, smem, cuda::current_stream(cuda::current_device())>>>(a);
+  flow_tiled_kernel<<<grid, kThreads, smem, stream>>>(a);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
