@@ -36,7 +36,7 @@
 //          h1, h2 in shared memory.  Each layer is a [32 x K] x [K x N]
 //          product on tensor cores in 3xTF32 (cuda/tf32x3.cuh: float32
 //          accuracy).  The weights are packed once per call into the order
-//          and fragment layout the products consume (flow_pack_weights_kernel),
+//          and fragment layout the products consume (cuda::pack_b_fragments),
 //          so they stream from L2 through shared memory in 32 KB chunks by
 //          cp.async (cuda/cp_async.cuh: 16 bytes per instruction, three
 //          chunks in flight) and a lane reads its B fragment with one 8-byte
@@ -509,56 +509,20 @@ constexpr int kFragFloats = kWarpSize * 2;      // one B fragment (k8 x n8) of a
 constexpr int kChunkFloats = kKChunk / 8 * kPassTiles * kFragFloats;  // a full chunk: 32 KB
 constexpr int kStages = 3;                      // chunks in flight: compute q, land q+1, load q+2
 
-// Packed weights (flow_pack_weights_kernel, once per call): each layer's
-// [N, K] weight becomes a sequence of chunks in the order the tile kernel
-// consumes them -- pass p (256 output columns), then k-chunk kc -- each laid
-// out as [kk][n8-tile][lane][2] with lane (g, t) holding W[n = 8 tile + g][k]
-// and W[n][k + 4], k = 32 kc + 8 kk + t: exactly the B fragments of
-// mma.m16n8k8, so a lane reads its fragment with one 8-byte shared load, and
-// a chunk is one contiguous block that cp.async copies 16 bytes per
-// instruction.  Zero past N and K.  Only the last pass may have fewer than
-// kPassTiles tiles (pass_tiles), so chunk offsets stay closed-form.
+// Packed weights (cuda::pack_b_fragments, once per call): each layer's
+// [N, K] weight in mma B-fragment order with passes of kPassTiles n8-tiles
+// (256 output columns), k padded to whole chunks, so the chunk (pass p,
+// k-chunk kc) the tile kernel consumes is one contiguous block: cp.async
+// copies it 16 bytes per instruction and a lane reads its fragment with one
+// 8-byte shared load.
+constexpr int kChunkSteps = kKChunk / 8;  // k-steps of mma.m16n8k8 per chunk
+
 __host__ __device__ inline int pass_tiles(int N, int p) {
-  const int left = (N - p * kPassCols + 7) / 8;
+  const int left = (N + 7) / 8 - p * kPassTiles;
   return left < kPassTiles ? left : kPassTiles;
 }
 __host__ __device__ inline int64_t packed_chunk_offset(int N, int kchunks, int p, int kc) {
-  constexpr int kPerTile = kKChunk / 8 * kFragFloats;  // floats of one n8-tile's column of a chunk
-  return int64_t(kPerTile) * (int64_t(kchunks) * kPassTiles * p + int64_t(kc) * pass_tiles(N, p));
-}
-inline int64_t packed_size(int N, int kchunks) {
-  return int64_t(kKChunk / 8 * kFragFloats) * kchunks * ((N + 7) / 8);
-}
-
-struct PackLayer {
-  const float* w;  // [N, K] with row stride ld
-  int64_t ld;
-  int N, K, kchunks;
-  float* out;
-};
-
-struct PackArgs {
-  PackLayer layer[3];  // w1 (without its time column), w2, w3; blockIdx.y picks one
-};
-
-__global__ void __launch_bounds__(kThreads) flow_pack_weights_kernel(const PackArgs args) {
-  // (Selected field by field, not indexed: a dynamic index copies the array to local memory.)
-  const PackLayer l = blockIdx.y == 0 ? args.layer[0] : (blockIdx.y == 1 ? args.layer[1] : args.layer[2]);
-  const int tiles = (l.N + 7) / 8;
-  // Element (kc, kk, tile, lane, e), e fastest: consecutive threads write
-  // consecutive packed floats.
-  const int64_t total = int64_t(l.kchunks) * (kKChunk / 8) * tiles * kFragFloats;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int e = int(i % 2), lane = int(i / 2 % kWarpSize);
-    const int64_t f = i / kFragFloats;
-    const int tile = int(f % tiles), kk = int(f / tiles % (kKChunk / 8)), kc = int(f / tiles / (kKChunk / 8));
-    const int p = tile / kPassTiles, nt = tile % kPassTiles;
-    const int n = tile * 8 + lane / 4, k = kc * kKChunk + kk * 8 + lane % 4 + 4 * e;
-    const float v = (n < l.N && k < l.K) ? l.w[int64_t(n) * l.ld + k] : 0.f;
-    l.out[packed_chunk_offset(l.N, l.kchunks, p, kc) +
-          (int64_t(kk) * pass_tiles(l.N, p) + nt) * kFragFloats + lane * 2 + e] = v;
-  }
+  return cuda::b_fragment_offset(N, kchunks * kChunkSteps, kPassTiles, kc * kChunkSteps, p * kPassTiles);
 }
 
 struct TiledArgs : FlowParams {
@@ -749,18 +713,18 @@ void launch_tiled(const FlowEulerCall& c) {
   TiledArgs a = tiled_args(c);
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   // Pack the three weights (w1 without its time column) into one workspace;
-  // each layer's size is a multiple of 256 floats, so every chunk stays
+  // each layer's size is a multiple of 64 floats, so every chunk stays
   // 16-byte aligned for cp.async.
-  const int kD = a.KpD / kKChunk, kH = a.KpH / kKChunk;
-  const int64_t s1 = packed_size(a.H, kD), s2 = packed_size(a.H, kH), s3 = packed_size(a.D, kH);
+  const int kD = a.KpD / kKChunk * kChunkSteps, kH = a.KpH / kKChunk * kChunkSteps;  // k-steps
+  const int64_t s1 = cuda::b_fragment_size(a.H, kD), s2 = cuda::b_fragment_size(a.H, kH),
+                s3 = cuda::b_fragment_size(a.D, kH);
   Tensor packed = empty_like_device(c.x, {s1 + s2 + s3});
   float* pw = packed.mutable_data_ptr<float>();
-  const PackArgs pack{{{a.w1, a.D + 1, a.H, a.D, kD, pw},
-                       {a.w2, a.H, a.H, a.H, kH, pw + s1},
-                       {a.w3, a.H, a.D, a.H, kH, pw + s1 + s2}}};
-  const int64_t largest = std::max({s1, s2, s3});
-  const dim3 pack_grid(unsigned(std::min<int64_t>((largest + kThreads - 1) / kThreads, 1024)), 3);
-  flow_pack_weights_kernel<<<pack_grid, kThreads, 0, stream>>>(pack);
+  cuda::BFragmentsBatch batch{};
+  batch.m[0] = {a.w1, a.D + 1, a.H, a.D, kD, kPassTiles, pw};
+  batch.m[1] = {a.w2, a.H, a.H, a.H, kH, kPassTiles, pw + s1};
+  batch.m[2] = {a.w3, a.H, a.D, a.H, kH, kPassTiles, pw + s1 + s2};
+  cuda::pack_b_fragments(stream, batch, 3);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   a.pw1 = pw, a.pw2 = pw + s1, a.pw3 = pw + s1 + s2;
 

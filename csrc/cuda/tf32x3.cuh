@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "cuda/reductions.cuh"  // kWarpSize
+
 namespace fused_ops {
 namespace cuda {
 
@@ -66,6 +68,78 @@ __device__ __forceinline__ void mma_3xtf32_m16n8k8(float (&c)[4], const SplitTf3
   mma_tf32_m16n8k8(c, a_small, b_big);
   mma_tf32_m16n8k8(c, a_big, b_small);
   mma_tf32_m16n8k8(c, a_big, b_big);
+}
+
+// B operands (weights, nn.Linear's [N, K] layout) packed once per call in
+// mma.m16n8k8's fragment order: for k-step s (8 columns) and n8-tile T, the
+// 32 lanes' fragments are 64 consecutive floats, lane (g, t) holding
+// W[8 T + g][8 s + t] and W[8 T + g][8 s + t + 4] (zero past N and K).  A lane
+// then reads its whole fragment with one 8-byte load, and a warp's 32 loads
+// are 256 contiguous bytes, where the [N, K] layout needs two 4-byte loads
+// with bounds checks spread over eight rows.  Tiles are grouped in passes of
+// pass_tiles (only the last pass may be shorter), ordered
+// [pass][k-step][tile in pass][lane][2], so that a range of k-steps of one
+// pass is contiguous (a kernel can stream it as one chunk); a single pass
+// (pass_tiles >= the tile count) is plain [k-step][tile][lane][2].
+struct BFragments {
+  const float* w;  // [N, K], row stride ld
+  int64_t ld;
+  int N, K, ksteps, pass_tiles;  // ksteps >= ceil(K / 8): k-steps packed (zero past K)
+  float* out;                    // b_fragment_size(N, ksteps) floats
+};
+
+__host__ __device__ inline int64_t b_fragment_size(int N, int ksteps) {
+  return int64_t(ksteps) * ((N + 7) / 8) * (kWarpSize * 2);
+}
+
+// Offset (floats) of the fragments of k-step s, n8-tile T.
+__host__ __device__ inline int64_t b_fragment_offset(int N, int ksteps, int pass_tiles, int s, int T) {
+  const int p = T / pass_tiles, nt = T - p * pass_tiles;
+  const int left = (N + 7) / 8 - p * pass_tiles;
+  const int tiles_p = left < pass_tiles ? left : pass_tiles;
+  return (int64_t(p) * pass_tiles * ksteps + int64_t(s) * tiles_p + nt) * (kWarpSize * 2);
+}
+
+// Packs up to kMaxBFragments matrices in one launch (blockIdx.y = matrix).
+constexpr int kMaxBFragments = 5;
+struct BFragmentsBatch {
+  BFragments m[kMaxBFragments];
+};
+
+template <int kThreadsPerBlock>
+__global__ void __launch_bounds__(kThreadsPerBlock) pack_b_fragments_kernel(const BFragmentsBatch batch) {
+  // Picked with constant indices (a dynamic index would copy the batch to
+  // local memory).
+  BFragments b = batch.m[0];
+#pragma unroll
+  for (int i = 1; i < kMaxBFragments; ++i)
+    if (int(blockIdx.y) == i) b = batch.m[i];
+  const int tiles = (b.N + 7) / 8;
+  // Element (s, T, lane, e), e fastest: consecutive threads write
+  // consecutive packed floats within a tile.
+  const int64_t total = b_fragment_size(b.N, b.ksteps);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int e = int(i % 2), lane = int(i / 2 % kWarpSize);
+    const int64_t f = i / (kWarpSize * 2);
+    const int T = int(f % tiles), s = int(f / tiles);
+    const int n = 8 * T + lane / 4, k = 8 * s + lane % 4 + 4 * e;
+    b.out[b_fragment_offset(b.N, b.ksteps, b.pass_tiles, s, T) + lane * 2 + e] =
+        (n < b.N && k < b.K) ? b.w[int64_t(n) * b.ld + k] : 0.f;
+  }
+}
+
+// Packs batch.m[0 .. count) on `stream`.
+inline void pack_b_fragments(cudaStream_t stream, const BFragmentsBatch& batch, int count) {
+  constexpr int kPackThreads = 256;
+  int64_t largest = 0;
+  for (int i = 0; i < count; ++i) {
+    const int64_t n = b_fragment_size(batch.m[i].N, batch.m[i].ksteps);
+    largest = n > largest ? n : largest;
+  }
+  const int64_t blocks = (largest + kPackThreads - 1) / kPackThreads;
+  const dim3 grid(unsigned(blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks)), unsigned(count));
+  pack_b_fragments_kernel<kPackThreads><<<grid, kPackThreads, 0, stream>>>(batch);
 }
 
 }  // namespace cuda

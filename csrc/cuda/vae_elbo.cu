@@ -18,7 +18,8 @@
 //          (B=128, 784-256-32) and every float32 test size below 2048 rows.
 // tiled    float32, compute capability >= 8.0, B >= kTiledMinBatch (2048),
 //          H % 8 == 0, H <= 256 and the tile's activations fit in shared
-//          memory (large L).  One launch of one CTA per 64 samples running the
+//          memory (large L).  A packing launch for the weights, then one
+//          launch of one CTA per 64 samples running the
 //          whole pass on chip with 3xTF32 tensor-core products (see the
 //          section below).  Hit by B=8192 at 784-256-32 and every float32 test
 //          size with B >= 2048 and H % 8 == 0.
@@ -40,6 +41,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <map>
 #include <mutex>
@@ -422,9 +424,11 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
 // product is a 3xTF32 tensor-core product (cuda/tf32x3.cuh) with float32
 // accumulation: float32 accuracy at tensor-core speed.  A operands come from
 // shared memory (row strides = 4 mod 32 floats: conflict-free fragment
-// loads), B operands (weights, nn.Linear [N, K] layout) straight from global
-// memory / L2 with zero fill outside [N, K), so I and L may be anything;
-// H % 8 == 0 and H <= 256 (8 warps x 32 columns cover the hidden layer).
+// loads), B operands (the weights) straight from global memory / L2, packed
+// once per call in fragment order (cuda::pack_b_fragments: one 8-byte load
+// per fragment, 256 contiguous bytes per warp, zero fill outside [N, K)), so
+// I and L may be anything; H % 8 == 0 and H <= 256 (8 warps x 32 columns
+// cover the hidden layer).
 // 8192 samples make 128 CTAs: one wave on an H100/H200, each reading the
 // weights (1.6 MB at 784-256-32) once from L2.
 
@@ -451,26 +455,38 @@ struct TiledLayout {
   }
 };
 
-// acc[mt][nt] += A[rows mt*16.., k0..k1) * W[n0 + nt*8.., k0..k1)^T for the 64
-// rows of A (shared, row stride lda, zero beyond the valid columns) and the
-// weight rows n < N, columns k < K (row stride ldw; zero fill outside).
+// A weight in mma B-fragment order (cuda::pack_b_fragments, one pass):
+// fragments of k-step s, n8-tile T at frag[(s * tiles + T) * 32 + lane].
+struct PackedWeight {
+  const float2* frag;
+  int tiles, ksteps;  // ceil(N / 8), ceil(K / 8)
+};
+
+// The five weights of the tiled kernel, packed once per call.
+struct TiledWeights {
+  PackedWeight enc, mu, lv, d1, d2;
+};
+
+// acc[mt][nt] += A[rows mt*16.., k0..k1) * W[n0 + nt*8.., s0*8 + (k0..k1))^T
+// for the 64 rows of A (shared, row stride lda, zero beyond the valid
+// columns) and the packed weight W (zero past N and K; tiles and k-steps
+// beyond the packed ones read as zero).
 template <int NT>
 __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const float* A, int lda,
-                                           const float* W, int ldw, int N, int K, int n0, int k0,
-                                           int k1) {
+                                           const PackedWeight W, int n0, int s0, int k0, int k1) {
   const int lane = threadIdx.x % cuda::kWarpSize, g = lane / 4, t = lane % 4;
-  // The weights come from L2: the next step's B values are loaded one step
-  // ahead so their latency overlaps this step's tensor-core work.
-  float bnext[NT][2];
+  // The weights come from L2: the next step's B fragments are loaded one
+  // step ahead so their latency overlaps this step's tensor-core work; one
+  // 8-byte load per fragment, 256 contiguous bytes per warp.
+  float2 bnext[NT];
   auto load_b = [&](int k) {
+    const int s = s0 + k / 8;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int n = n0 + nt * 8 + g;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int kk = k + t + 4 * h;
-        bnext[nt][h] = (n < N && kk < K) ? __ldg(W + size_t(n) * ldw + kk) : 0.0f;
-      }
+      const int tile = n0 / 8 + nt;
+      bnext[nt] = (tile < W.tiles && s < W.ksteps)
+                      ? __ldg(W.frag + (int64_t(s) * W.tiles + tile) * cuda::kWarpSize + lane)
+                      : make_float2(0.f, 0.f);
     }
   };
   load_b(k0);
@@ -478,8 +494,8 @@ __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const float
     cuda::SplitTf32 bf[NT][2];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      bf[nt][0] = cuda::split_tf32(bnext[nt][0]);
-      bf[nt][1] = cuda::split_tf32(bnext[nt][1]);
+      bf[nt][0] = cuda::split_tf32(bnext[nt].x);
+      bf[nt][1] = cuda::split_tf32(bnext[nt].y);
     }
     if (k + 8 < k1) load_b(k + 8);
 #pragma unroll
@@ -518,7 +534,7 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kMT][NT][4]) {
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 }
 
-__global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<float> a) {
+__global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<float> a, const TiledWeights w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(16) float smem[];
   const int I = a.I, H = a.H, L = a.L;
@@ -559,7 +575,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
       }
       __syncthreads();
       if (kc + kChunk < I) load_x(kc + kChunk);
-      if (ncol < H) mma_rows64<4>(acc, xs, lay.ldx, a.w_enc + kc, I, H, I - kc, ncol, 0, kChunk);
+      if (ncol < H) mma_rows64<4>(acc, xs, lay.ldx, w.enc, ncol, kc / 8, 0, kChunk);
     }
     if (ncol < H) {
       for_each_acc(acc, ncol, [&](int r, int n, float v) {
@@ -581,7 +597,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
       const int n0 = (is_lv ? u - nt_l : u) * 8;
       float acc[kMT][1][4];
       zero_acc(acc);
-      mma_rows64<1>(acc, hs, lay.ldh, is_lv ? a.w_lv : a.w_mu, H, L, H, n0, 0, H);
+      mma_rows64<1>(acc, hs, lay.ldh, is_lv ? w.lv : w.mu, n0, 0, 0, H);
       const float* bias = is_lv ? a.b_lv : a.b_mu;
       for_each_acc(acc, n0, [&](int r, int n, float v) {
         if (n < L) ms[r * lay.ldm + (is_lv ? lay.Lp : 0) + n] = v + __ldg(bias + n);
@@ -609,7 +625,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
     float acc[kMT][4][4];
     zero_acc(acc);
     if (ncol < H) {
-      mma_rows64<4>(acc, zs, lay.ldz, a.w_d1, L, H, L, ncol, 0, lay.Lp);
+      mma_rows64<4>(acc, zs, lay.ldz, w.d1, ncol, 0, 0, lay.Lp);
       for_each_acc(acc, ncol, [&](int r, int n, float v) {
         if (n < H) hs[r * lay.ldh + n] = relu(v + __ldg(a.b_d1 + n));
       });
@@ -627,7 +643,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
     if (n0 >= I) continue;  // warp-uniform
     float acc[kMT][4][4];
     zero_acc(acc);
-    mma_rows64<4>(acc, hs, lay.ldh, a.w_d2, H, I, H, n0, 0, H);
+    mma_rows64<4>(acc, hs, lay.ldh, w.d2, n0, 0, 0, H);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -700,15 +716,37 @@ bool launch_cluster(const Args<float>& a) {
   return true;
 }
 
-// Launches the tiled path; false when it does not apply.
-bool launch_tiled(const Args<float>& a) {
+// Launches the tiled path (weights packed first; `like` gives the
+// workspace's device); false when it does not apply.
+bool launch_tiled(const Args<float>& a, const Tensor& like) {
   if (cuda::compute_capability_major() < 8 || a.H % 8 != 0 || a.H > kWarps * 32) return false;
   const size_t smem = size_t(TiledLayout(a.H, a.L).total) * sizeof(float);
   if (smem > kMaxClusterSmem || smem > cuda::max_shared_memory_per_block()) return false;
   cuda::allow_dynamic_smem(vae_elbo_tiled_kernel, smem);
+  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
+  auto steps = [](int k) { return (k + 7) / 8; };
+  // (matrix, ld, N, K) of w_enc [H, I], w_mu / w_logvar [L, H], w_dec1 [H, L], w_dec2 [I, H].
+  const std::array<std::tuple<const float*, int, int, int>, 5> mats{
+      {{a.w_enc, a.I, a.H, a.I}, {a.w_mu, a.H, a.L, a.H}, {a.w_lv, a.H, a.L, a.H},
+       {a.w_d1, a.L, a.H, a.L}, {a.w_d2, a.H, a.I, a.H}}};
+  int64_t total = 0;
+  for (const auto& [m, ld, N, K] : mats) total += cuda::b_fragment_size(N, steps(K));
+  Tensor packed = empty_like_device(like, {total});
+  float* out = packed.mutable_data_ptr<float>();
+  cuda::BFragmentsBatch batch{};
+  PackedWeight pw[5];
+  for (int i = 0; i < 5; ++i) {
+    const auto& [m, ld, N, K] = mats[i];
+    const int tiles = (N + 7) / 8;
+    batch.m[i] = {m, ld, N, K, steps(K), tiles, out};  // one pass: all tiles
+    pw[i] = {reinterpret_cast<const float2*>(out), tiles, steps(K)};
+    out += cuda::b_fragment_size(N, steps(K));
+  }
+  cuda::pack_b_fragments(stream, batch, 5);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  const TiledWeights w{pw[0], pw[1], pw[2], pw[3], pw[4]};
   const int64_t tiles = (int64_t(a.B) + kTileRows - 1) / kTileRows;
-  vae_elbo_tiled_kernel<<<unsigned(tiles), kThreads, smem,
-                          cuda::current_stream(cuda::current_device())>>>(a);
+  vae_elbo_tiled_kernel<<<unsigned(tiles), kThreads, smem, stream>>>(a, w);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   return true;
 }
@@ -733,7 +771,7 @@ void vae_elbo_launch(const VaeElboCall& c) {
                   int(c.L),               c.elbo.mutable_data_ptr<T>(),     c.recon.mutable_data_ptr<T>(),
                   c.kl.mutable_data_ptr<T>()};
   if constexpr (std::is_same_v<T, float>) {
-    if (c.B >= kTiledMinBatch && launch_tiled(a)) return;
+    if (c.B >= kTiledMinBatch && launch_tiled(a, c.x)) return;
     if (launch_cluster(a)) return;
   }
   launch_general<T>(a, c.x);
