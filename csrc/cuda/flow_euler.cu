@@ -186,7 +186,9 @@ void launch_general(const FlowEulerCall& c) {
 // ---------------------------------------------------------------------------
 
 constexpr int kClusterMaxB = 32;
-// Activation rows are padded (with zeros) to a multiple of kClusterLd floats.
+// Activation rows are padded (with zeros) to a multiple of kClusterLd floats:
+// then every block's full-width slice fits, C * ceil(N / C) <= round_up(N, 16)
+// for clusters of C = 8 or 16 blocks, so the push needs no per-block width.
 constexpr int kClusterLd = 16;
 
 // What every float32 fast path reads: the op's tensors as raw pointers, the
