@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/logsumexp.h"
+#include "cpu/vec_math.h"
 #include "importance_sampling.h"
 
 namespace fused_ops {
@@ -48,6 +49,127 @@ struct BackwardArgs {
   int64_t N, D, K;
   T* grad_x;  // [N, D]
 };
+
+// What pass 2 reads: the forward's parameters in double (rows 0..K-1 of mu /
+// inv_std are the mixture components, row K the proposal), the upstream
+// gradients and the scalars of pass 1.
+struct Pass2Consts {
+  const double *mu, *inv_std, *log_norm, *gM, *mean;
+  double c, inv_sum_w, S, ess_coef;
+  int64_t chunk;
+};
+
+// Layout of one chunk's partials: S1 [(K+1)*D] = sum g r z, S2 [(K+1)*D] =
+// sum g r (z^2 - 1) (row K: the proposal, with r = 1), S0 [K] = sum g r.
+inline int64_t partial_stride(int64_t K, int64_t D) { return 2 * (K + 1) * D + K; }
+
+// sum_{d < n} term(d) as four interleaved partial sums (d mod 4), added
+// pairwise at the end: a fixed order, and four independent chains that the
+// compiler turns into one vector accumulator where one long chain of
+// dependent adds would bound the loop by the add latency.
+template <typename F>
+FUSED_OPS_INLINE double sum4(int64_t n, F term) {
+  double s[4] = {0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + 4 <= n; d += 4) {
+    for (int j = 0; j < 4; ++j) s[j] += term(d + j);
+  }
+  for (; d < n; ++d) s[d % 4] += term(d);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// Pass 2 over chunks [c0, c1): every sample's grad_x and the chunk partials.
+// FUSED_OPS_INLINE: compiled once per instruction set (the AVX2 clone below
+// vectorises the loops over D four doubles wide).
+template <typename T>
+FUSED_OPS_INLINE void backward_chunks(const BackwardArgs<T>& a, const Pass2Consts& q,
+                                      double* partials, int64_t c0, int64_t c1) {
+  using acc_t = double;
+  const int64_t N = a.N, D = a.D, K = a.K, KD1 = (K + 1) * D, stride = partial_stride(K, D);
+  const acc_t *mu = q.mu, *inv_std = q.inv_std, *log_norm = q.log_norm, *gM = q.gM, *mean = q.mean;
+  std::vector<acc_t> z(KD1), coef(K + 1), gxd(D);
+  for (int64_t ch = c0; ch < c1; ++ch) {
+    acc_t* S1 = partials + ch * stride;
+    acc_t* S2 = S1 + KD1;
+    acc_t* S0 = S2 + KD1;
+    std::fill(S1, S1 + stride, 0.0);
+    const int64_t i1 = std::min(N, (ch + 1) * q.chunk);
+    for (int64_t i = ch * q.chunk; i < i1; ++i) {
+      const T* xi = a.x + i * D;
+      // z for every component and the proposal; log densities of the components.
+      acc_t m = -INFINITY;
+      for (int64_t k = 0; k <= K; ++k) {
+        const acc_t *mk = mu + k * D, *sk = inv_std + k * D;
+        acc_t* zk = z.data() + k * D;
+        const acc_t sq = sum4(D, [&](int64_t d) {
+          const acc_t v = (acc_t(xi[d]) - mk[d]) * sk[d];
+          zk[d] = v;
+          return v * v;
+        });
+        if (k < K) {
+          coef[k] = acc_t(-0.5) * sq + log_norm[k];
+          m = nan_max(m, coef[k]);
+        }
+      }
+      const acc_t w = std::exp(acc_t(a.log_weights[i]));
+      const acc_t dot =
+          a.grad_mean ? sum4(D, [&](int64_t d) { return (acc_t(xi[d]) - mean[d]) * gM[d]; }) : 0.0;
+      acc_t g = (a.grad_lw ? acc_t(a.grad_lw[i]) : 0.0) - w * q.c + w * dot;
+      if (a.grad_ess) {
+        const acc_t wn = w * q.inv_sum_w;
+        g += q.ess_coef * wn * (q.S - wn);
+      }
+      // coef[k] = g * r_ik (k < K), coef[K] = g, with the responsibilities
+      // r_ik = exp(coef_k - m) / sum_j exp(coef_j - m): K - 1 exps (the
+      // maximum's is 1) and no log, where exp(coef_k - logsumexp) costs
+      // 2K + 1 transcendentals.  A sample whose densities are all -inf keeps
+      // logsumexp's answer, exp(-inf - -inf) = NaN, as the reference's
+      // backward of logsumexp gives.
+      acc_t sum = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        coef[k] = rel_exp(coef[k], m);
+        sum += coef[k];
+      }
+      const acc_t scale = m == -INFINITY ? acc_t(NAN) : g / sum;
+      for (int64_t k = 0; k < K; ++k) coef[k] *= scale;
+      coef[K] = g;
+      for (int64_t k = 0; k < K; ++k) S0[k] += coef[k];
+      for (int64_t k = 0; k <= K; ++k) {
+        const acc_t ck = coef[k];
+        const acc_t* zk = z.data() + k * D;
+        acc_t* s1 = S1 + k * D;
+        acc_t* s2 = S2 + k * D;
+        for (int64_t d = 0; d < D; ++d) {
+          s1[d] += ck * zk[d];
+          s2[d] += ck * (zk[d] * zk[d] - 1);
+        }
+      }
+      // grad_x row, one component at a time so the loops over D vectorise
+      // (each element still subtracts the components in order k = 0..K-1).
+      for (int64_t d = 0; d < D; ++d) gxd[d] = g * z[K * D + d] * inv_std[K * D + d] + w * gM[d];
+      for (int64_t k = 0; k < K; ++k) {
+        const acc_t ck = coef[k];
+        const acc_t *zk = z.data() + k * D, *sk = inv_std + k * D;
+        for (int64_t d = 0; d < D; ++d) gxd[d] -= ck * zk[d] * sk[d];
+      }
+      T* gx = a.grad_x + i * D;
+      for (int64_t d = 0; d < D; ++d) gx[d] = T(gxd[d]);
+    }
+  }
+}
+
+template <typename T>
+void backward_chunks_baseline(const BackwardArgs<T>& a, const Pass2Consts& q, double* partials,
+                              int64_t c0, int64_t c1) {
+  backward_chunks<T>(a, q, partials, c0, c1);
+}
+#if FUSED_OPS_HAVE_AVX2_CLONE
+template <typename T>
+FUSED_OPS_TARGET_AVX2 void backward_chunks_avx2(const BackwardArgs<T>& a, const Pass2Consts& q,
+                                                double* partials, int64_t c0, int64_t c1) {
+  backward_chunks<T>(a, q, partials, c0, c1);
+}
+#endif
 
 template <typename T>
 void importance_sampling_backward_kernel(const BackwardArgs<T>& a, const T* mix_mus,
@@ -117,67 +239,17 @@ void importance_sampling_backward_kernel(const BackwardArgs<T>& a, const T* mix_
   const acc_t S = sum_w2 * inv_sum_w * inv_sum_w;
   const acc_t ess_coef = a.grad_ess ? gE * 2 / (S * S) : 0.0;
 
-  // Pass 2.  Chunk partial layout: S1 [(K+1)*D] = sum g r z, S2 [(K+1)*D] =
-  // sum g r (z^2 - 1) (row K: the proposal, with r = 1), S0 [K] = sum g r.
-  const int64_t stride = 2 * KD1 + K;
+  // Pass 2: per-sample work and chunk partials (backward_chunks).
+  const int64_t stride = partial_stride(K, D);
   std::vector<acc_t> partials(num_chunks * stride);
+  const Pass2Consts consts{mu.data(), inv_std.data(), log_norm.data(), gM.data(), mean.data(),
+                           c, inv_sum_w, S, ess_coef, chunk};
+  auto chunks = &backward_chunks_baseline<T>;
+#if FUSED_OPS_HAVE_AVX2_CLONE
+  if (cpu::cpu_has_avx2()) chunks = &backward_chunks_avx2<T>;
+#endif
   torch::stable::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<acc_t> z(KD1), coef(K + 1);
-    for (int64_t ch = c0; ch < c1; ++ch) {
-      acc_t* S1 = partials.data() + ch * stride;
-      acc_t* S2 = S1 + KD1;
-      acc_t* S0 = S2 + KD1;
-      std::fill(S1, S1 + stride, 0.0);
-      const int64_t i1 = std::min(N, (ch + 1) * chunk);
-      for (int64_t i = ch * chunk; i < i1; ++i) {
-        const T* xi = a.x + i * D;
-        // z for every component and the proposal; log densities of the components.
-        LogSumExp<acc_t> lse = LogSumExp<acc_t>::empty();
-        for (int64_t k = 0; k <= K; ++k) {
-          acc_t sq = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            const acc_t v = (acc_t(xi[d]) - mu[k * D + d]) * inv_std[k * D + d];
-            z[k * D + d] = v;
-            sq += v * v;
-          }
-          if (k < K) {
-            coef[k] = acc_t(-0.5) * sq + log_norm[k];
-            lse.push(coef[k]);
-          }
-        }
-        const acc_t w = std::exp(acc_t(a.log_weights[i]));
-        acc_t dot = 0;
-        if (a.grad_mean) {
-          for (int64_t d = 0; d < D; ++d) dot += (acc_t(xi[d]) - mean[d]) * gM[d];
-        }
-        acc_t g = (a.grad_lw ? acc_t(a.grad_lw[i]) : 0.0) - w * c + w * dot;
-        if (a.grad_ess) {
-          const acc_t wn = w * inv_sum_w;
-          g += ess_coef * wn * (S - wn);
-        }
-        // coef[k] = g * r_ik (k < K), coef[K] = g.
-        const acc_t log_p = lse.value();
-        for (int64_t k = 0; k < K; ++k) coef[k] = g * std::exp(coef[k] - log_p);
-        coef[K] = g;
-        for (int64_t k = 0; k < K; ++k) S0[k] += coef[k];
-        for (int64_t k = 0; k <= K; ++k) {
-          const acc_t ck = coef[k];
-          const acc_t* zk = z.data() + k * D;
-          acc_t* s1 = S1 + k * D;
-          acc_t* s2 = S2 + k * D;
-          for (int64_t d = 0; d < D; ++d) {
-            s1[d] += ck * zk[d];
-            s2[d] += ck * (zk[d] * zk[d] - 1);
-          }
-        }
-        T* gx = a.grad_x + i * D;
-        for (int64_t d = 0; d < D; ++d) {
-          acc_t v = g * z[K * D + d] * inv_std[K * D + d] + w * gM[d];
-          for (int64_t k = 0; k < K; ++k) v -= coef[k] * z[k * D + d] * inv_std[k * D + d];
-          gx[d] = T(v);
-        }
-      }
-    }
+    chunks(a, consts, partials.data(), c0, c1);
   });
 
   // Merge the chunk partials in chunk order.
