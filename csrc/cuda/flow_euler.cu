@@ -30,23 +30,26 @@
 //          host-prepared dividers (cuda/int_divider.cuh).
 //
 // tiled    float32, compute capability >= 8.0, any B, when a 32-row tile's
-//          activations and three weight chunks fit shared memory (D, H up
-//          to ~500): a packing kernel, then one launch, one block of 256
-//          threads per 32 rows, running its rows through all steps with x,
-//          h1, h2 in shared memory.  Each layer is a [32 x K] x [K x N]
-//          product on tensor cores in 3xTF32 (cuda/tf32x3.cuh: float32
-//          accuracy).  The weights are packed once per call into the order
-//          and fragment layout the products consume (cuda::pack_b_fragments),
-//          so they stream from L2 through shared memory in 32 KB chunks by
-//          cp.async (cuda/cp_async.cuh: 16 bytes per instruction, three
-//          chunks in flight) and a lane reads its B fragment with one 8-byte
-//          load; output columns go in passes of 256 spread over the 8 warps
-//          (n-tiles warp, warp+8, ... so small N still uses every warp).
-//          The first version staged the raw weights through registers with
-//          per-element index arithmetic, which with the splits made ~18
-//          instructions per tensor-core product (ncu, run Q): it issued
-//          instructions, not products.  B = 4096 is 128 blocks: one wave on
-//          the H200's 132 SMs.
+//          activations and three weight chunks fit shared memory (H <= 512
+//          and, at D = 64, H up to ~380): a packing kernel, then one launch,
+//          one block of 256 threads per 32 rows, running its rows through
+//          all steps with x and h in shared memory.  Each layer is a
+//          [32 x K] x [K x N] product on tensor cores in 3xTF32
+//          (cuda/tf32x3.cuh: float32 accuracy).  The weights are packed once
+//          per call into the order and fragment layout the products consume
+//          (cuda::pack_b_fragments), so they stream from L2 through shared
+//          memory in 32 KB chunks by cp.async (cuda/cp_async.cuh: 16 bytes
+//          per instruction, three chunks in flight) and a lane reads its B
+//          fragment with one 8-byte load; output columns go in passes of 256
+//          spread over the 8 warps (n-tiles warp, warp+8, ... so small N
+//          still uses every warp).  The activations are stored split into
+//          TF32 big and small parts (read by ldmatrix), so each is split
+//          once, not by every warp that reads it.  The first version staged
+//          the raw weights through registers with per-element index
+//          arithmetic, which with the splits made ~18 instructions per
+//          tensor-core product (ncu, run Q); with packed weights it was
+//          still ~13 (run V: the A splits repeated per warp).
+//          B = 4096 is 128 blocks: one wave on the H200's 132 SMs.
 //
 // general  anything else (float64, larger sizes, older GPUs): one simple
 //          kernel per layer and step, one thread per output element,
@@ -507,7 +510,7 @@ constexpr int kTileRows = 32;                   // two m16 tiles
 constexpr int kKChunk = 32;                     // weight columns (k) per staged chunk
 constexpr int kPassCols = kWarps * 4 * 8;       // output columns per pass: 4 n8-tiles per warp
 constexpr int kPassTiles = kPassCols / 8;       // n8-tiles per pass
-constexpr int kFragFloats = kWarpSize * 2;      // one B fragment (k8 x n8) of a warp: 2 per lane
+constexpr int kFragFloats = cuda::b_fragment_floats(false);  // one B fragment (k8 x n8) of a warp
 constexpr int kChunkFloats = kKChunk / 8 * kPassTiles * kFragFloats;  // a full chunk: 32 KB
 constexpr int kStages = 3;                      // chunks in flight: compute q, land q+1, load q+2
 
@@ -519,10 +522,7 @@ constexpr int kStages = 3;                      // chunks in flight: compute q, 
 // 8-byte shared load.
 constexpr int kChunkSteps = kKChunk / 8;  // k-steps of mma.m16n8k8 per chunk
 
-__host__ __device__ inline int pass_tiles(int N, int p) {
-  const int left = (N + 7) / 8 - p * kPassTiles;
-  return left < kPassTiles ? left : kPassTiles;
-}
+__host__ __device__ inline int pass_tiles(int N, int p) { return cuda::b_fragment_pass_tiles(N, kPassTiles, p); }
 __host__ __device__ inline int64_t packed_chunk_offset(int N, int kchunks, int p, int kc) {
   return cuda::b_fragment_offset(N, kchunks * kChunkSteps, kPassTiles, kc * kChunkSteps, p * kPassTiles);
 }
@@ -532,38 +532,55 @@ struct TiledArgs : FlowParams {
   const float *pw1, *pw2, *pw3;   // packed weights (w1 without its time column)
 };
 
+// The hidden layer h is the A operand of the next product only, so it lives
+// in shared memory split (cuda::SplitRows: TF32 big and small planes, read
+// by ldmatrix), split once when written instead of by each of the 8 warps
+// at every read (before: with the B splits, ~7% of the issued instructions
+// were mma, ncu run V).  x is kept in float32 for the Euler
+// update and split beside it for the first layer.  One h buffer serves both
+// hidden layers: the second layer keeps its whole output in registers (at
+// most kMaxKeptPasses passes of 256 columns, so H <= 512) until every warp
+// has read its input, then overwrites it -- two split buffers would not fit
+// next to the weight stages at H = 256.
+constexpr int kMaxKeptPasses = 2;
+
 // Shared memory of one tile block, in floats.  Activation rows are K padded
-// to kKChunk plus 4 (== 4 mod 32, so the 8 rows x 4 columns of an A fragment
-// hit 32 different banks); kStages chunk buffers.
+// to kKChunk plus 4 (an odd multiple of 16 bytes: conflict-free ldmatrix);
+// kStages chunk buffers.
 struct TiledLayout {
-  int ldD, ldH, X, H1, H2, W, B1, WT, B2, B3, total;
-  __host__ __device__ TiledLayout(int KpD, int KpH, int D, int H) {
+  int ldD, ldH, X, XS, H, W, B1, WT, B2, B3, total;
+  __host__ __device__ TiledLayout(int KpD, int KpH, int D, int H_) {
     ldD = KpD + 4;
     ldH = KpH + 4;
     X = 0;
-    H1 = X + kTileRows * ldD;
-    H2 = H1 + kTileRows * ldH;
-    W = H2 + kTileRows * ldH;
+    XS = X + kTileRows * ldD;       // x split: two planes
+    H = XS + 2 * kTileRows * ldD;   // h split: two planes
+    W = H + 2 * kTileRows * ldH;
     B1 = W + kStages * kChunkFloats;
-    WT = B1 + H;
-    B2 = WT + H;
-    B3 = B2 + H;
+    WT = B1 + H_;
+    B2 = WT + H_;
+    B3 = B2 + H_;
     total = B3 + D;
   }
 };
 
 // One layer of the tile kernel: out[r, n] for the tile's 32 rows and n < N
-// from in[r, k < Kp] (row stride ld_in, zero for k >= the true K) and the
-// layer's packed weights Wp.  See the file comment for the schedule.
-template <int MODE>
-__device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int Kp,
-                                            const float* __restrict__ Wp, int N, float* out,
-                                            int ld_out, const float* bias, const float* w_time,
-                                            float t, float dt, float* wbuf) {
+// from the split in[r, k < Kp] (zero for k >= the true K) and the layer's
+// packed weights Wp.  See the file comment for the schedule.
+//   kHidden: hs <- silu(acc + t * w_time + bias)     (w_time may be null)
+//   kUpdate: x  <- x + dt * (acc + bias), x32 and its split copy xs
+// KEEP = 0 writes each pass's output as it completes; KEEP > 0 (the layer
+// overwrites its own input, N <= KEEP * kPassCols) keeps all passes in
+// registers until every warp is past its last read of the input.
+template <int MODE, int KEEP>
+__device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, const float* __restrict__ Wp,
+                                            int N, const cuda::SplitRows out, float* x32, const float* bias,
+                                            const float* w_time, float t, float dt, float* wbuf) {
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
   const int g = lane / 4, tq = lane % 4;
   const int kchunks = Kp / kKChunk, passes = (N + kPassCols - 1) / kPassCols;
   const int num_chunks = kchunks * passes;
+  const float* a_lane = in.big + cuda::ldmatrix_lane_offset(in.ld);
 
   // Chunk q's copies into buffer q % kStages, one commit group per chunk
   // (empty past the last chunk, so every thread's group count is uniform).
@@ -578,77 +595,91 @@ __device__ __forceinline__ void tiled_layer(const float* in, int ld_in, int Kp,
     cuda::cp_async_commit();
   };
 
+  // Accumulates pass p (all its k-chunks) into acc.
+  auto run_pass = [&](float (&acc)[2][4][4], int p) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
+    const int tiles = pass_tiles(N, p);
+    for (int kc = 0; kc < kchunks; ++kc) {
+      const int q = p * kchunks + kc;
+      // Chunk q has landed (this thread's copies), then everyone's; every
+      // thread is past chunk q - 1, whose buffer chunk q + 2 now reuses.
+      cuda::cp_async_wait<1>();
+      __syncthreads();
+      issue(q + 2);
+      const float* buf = wbuf + (q % kStages) * kChunkFloats;
+#pragma unroll
+      for (int kk = 0; kk < kKChunk / 8; ++kk) {
+        const float* ap = a_lane + kc * kKChunk + kk * 8;
+        uint32_t ab[2][4], as[2][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          cuda::ldmatrix_x4(ab[m], ap + m * 16 * in.ld);
+          cuda::ldmatrix_x4(as[m], ap + m * 16 * in.ld + in.plane_floats);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int nt = warp + kWarps * i;
+          if (nt >= tiles) continue;  // warp-uniform
+          const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + nt) * kFragFloats + lane * 2);
+          const cuda::SplitTf32 b0 = cuda::split_tf32(w.x), b1 = cuda::split_tf32(w.y);
+          const uint32_t bb[2] = {b0.big, b1.big}, bs[2] = {b0.small, b1.small};
+          cuda::mma_3xtf32_presplit(acc[0][i], ab[0], as[0], bb, bs);
+          cuda::mma_3xtf32_presplit(acc[1][i], ab[1], as[1], bb, bs);
+        }
+      }
+    }
+  };
+
+  // Output of pass p.  Accumulator e of tile (m, i) is row m*16 + g + 8*(e/2),
+  // column 2*tq + e%2 of the n-tile.
+  auto epilogue = [&](const float (&acc)[2][4][4], int p) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = m * 16 + g + 8 * (e / 2);
+          const int col = p * kPassCols + (warp + kWarps * i) * 8 + 2 * tq + (e % 2);
+          if (col >= N) continue;
+          const float s = acc[m][i][e];
+          if (MODE == kHidden) {
+            out.store(row, col, silu(s + (w_time != nullptr ? t * w_time[col] : 0.f) + bias[col]));
+          } else {
+            float* o = x32 + row * out.ld + col;
+            *o = euler_step(*o, dt, s + bias[col]);
+            out.store(row, col, *o);
+          }
+        }
+  };
+
   // The previous layer's last chunks may still be read from wbuf, and its
   // output (this layer's input) written: wait for every warp.
   __syncthreads();
   issue(0);
   issue(1);
-  float acc[2][4][4];
-  for (int q = 0; q < num_chunks; ++q) {
-    const int p = q / kchunks, kc = q - p * kchunks;
-    const int tiles = pass_tiles(N, p);
-    // Chunk q has landed (this thread's copies), then everyone's; every
-    // thread is past chunk q - 1, whose buffer chunk q + 2 now reuses.
-    cuda::cp_async_wait<1>();
-    __syncthreads();
-    issue(q + 2);
-    const float* buf = wbuf + (q % kStages) * kChunkFloats;
-    if (kc == 0) {
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
+  if (KEEP == 0) {
+    for (int p = 0; p < passes; ++p) {
+      float acc[2][4][4];
+      run_pass(acc, p);
+      epilogue(acc, p);
     }
+  } else {
+    float acc[KEEP > 0 ? KEEP : 1][2][4][4];
 #pragma unroll
-    for (int kk = 0; kk < kKChunk / 8; ++kk) {
-      const int k = kc * kKChunk + kk * 8;
-      cuda::SplitTf32 a[2][4];
+    for (int p = 0; p < KEEP; ++p) run_pass(acc[p], p);
+    __syncthreads();  // every warp is past its last read of `in` == `out`
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const float* r0 = in + (m * 16 + g) * ld_in + k + tq;
-        const float* r8 = r0 + 8 * ld_in;
-        a[m][0] = cuda::split_tf32(r0[0]);
-        a[m][1] = cuda::split_tf32(r8[0]);
-        a[m][2] = cuda::split_tf32(r0[4]);
-        a[m][3] = cuda::split_tf32(r8[4]);
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int nt = warp + kWarps * i;
-        if (nt >= tiles) continue;  // warp-uniform
-        const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + nt) * kFragFloats + lane * 2);
-        const cuda::SplitTf32 b[2] = {cuda::split_tf32(w.x), cuda::split_tf32(w.y)};
-        cuda::mma_3xtf32_m16n8k8(acc[0][i], a[0], b);
-        cuda::mma_3xtf32_m16n8k8(acc[1][i], a[1], b);
-      }
-    }
-    if (kc == kchunks - 1) {
-      // Epilogue of pass p.  Accumulator e of tile (m, i) is row
-      // m*16 + g + 8*(e/2), column 2*tq + e%2 of the n-tile.
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = m * 16 + g + 8 * (e / 2);
-            const int col = p * kPassCols + (warp + kWarps * i) * 8 + 2 * tq + (e % 2);
-            if (col >= N) continue;
-            float s = acc[m][i][e];
-            float* o = out + row * ld_out + col;
-            if (MODE == kHidden) {
-              if (w_time != nullptr) s += t * w_time[col];
-              *o = silu(s + bias[col]);
-            } else {
-              *o = euler_step(*o, dt, s + bias[col]);
-            }
-          }
-    }
+    for (int p = 0; p < KEEP; ++p) epilogue(acc[p], p);
   }
 }
 
+template <int KEEP>
 __global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ float4 tiled_smem4[];
@@ -658,29 +689,30 @@ __global__ void __launch_bounds__(kThreads, 1) flow_tiled_kernel(TiledArgs a) {
   const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
   const int64_t remaining = a.B - row0;
   const int rows = remaining < kTileRows ? int(remaining) : kTileRows;
+  const cuda::SplitRows xs{smem + L.XS, L.ldD, kTileRows * L.ldD};
+  const cuda::SplitRows hs{smem + L.H, L.ldH, kTileRows * L.ldH};
 
   // Rows past B and columns past D / H are zero and stay zero in the
   // columns (never written); the extra rows evolve harmlessly and are not
   // stored.
   stage_rows(smem + L.X, kTileRows, L.ldD, a.x0 + row0 * D, D, rows, D);
-  for (int i = tid; i < 2 * kTileRows * L.ldH; i += kThreads) smem[L.H1 + i] = 0.f;
+  for (int i = tid; i < 2 * kTileRows * L.ldH; i += kThreads) smem[L.H + i] = 0.f;
   for (int j = tid; j < H; j += kThreads) {
     smem[L.B1 + j] = a.b1[j];
     smem[L.WT + j] = a.w1[int64_t(j) * (D + 1) + D];
     smem[L.B2 + j] = a.b2[j];
   }
   for (int d = tid; d < D; d += kThreads) smem[L.B3 + d] = a.b3[d];
+  __syncthreads();
+  for (int i = tid; i < kTileRows * L.ldD; i += kThreads) xs.store(i / L.ldD, i % L.ldD, smem[L.X + i]);
   // (tiled_layer begins with a barrier.)
 
   float* wbuf = smem + L.W;
   for (int k = 0; k < a.num_steps; ++k) {
     const float t = flow_step_time<float>(k, a.num_steps);
-    tiled_layer<kHidden>(smem + L.X, L.ldD, a.KpD, a.pw1, H, smem + L.H1, L.ldH, smem + L.B1, smem + L.WT,
-                         t, a.dt, wbuf);
-    tiled_layer<kHidden>(smem + L.H1, L.ldH, a.KpH, a.pw2, H, smem + L.H2, L.ldH, smem + L.B2, nullptr, t,
-                         a.dt, wbuf);
-    tiled_layer<kUpdate>(smem + L.H2, L.ldH, a.KpH, a.pw3, D, smem + L.X, L.ldD, smem + L.B3, nullptr, t,
-                         a.dt, wbuf);
+    tiled_layer<kHidden, 0>(xs, a.KpD, a.pw1, H, hs, nullptr, smem + L.B1, smem + L.WT, t, a.dt, wbuf);
+    tiled_layer<kHidden, KEEP>(hs, a.KpH, a.pw2, H, hs, nullptr, smem + L.B2, nullptr, t, a.dt, wbuf);
+    tiled_layer<kUpdate, 0>(hs, a.KpH, a.pw3, D, xs, smem + L.X, smem + L.B3, nullptr, t, a.dt, wbuf);
   }
   __syncthreads();
   for (int i = tid; i < rows * D; i += kThreads) {
@@ -707,7 +739,8 @@ size_t tiled_smem(const TiledArgs& a) {
 bool tiled_applies(const FlowEulerCall& c) {
   if (c.x.scalar_type() != ScalarType::Float) return false;
   if (cuda::compute_capability_major() < 8) return false;
-  if (c.D > (1 << 16) || c.H > (1 << 16) || c.B > int64_t(INT_MAX) - kTileRows) return false;
+  if (c.D > (1 << 16) || c.B > int64_t(INT_MAX) - kTileRows) return false;
+  if (c.H > kMaxKeptPasses * kPassCols) return false;  // the second layer's output in registers
   return tiled_smem(tiled_args(c)) <= cuda::max_shared_memory_per_block();
 }
 
@@ -731,9 +764,11 @@ void launch_tiled(const FlowEulerCall& c) {
   a.pw1 = pw, a.pw2 = pw + s1, a.pw3 = pw + s1 + s2;
 
   const size_t smem = tiled_smem(a);
-  cuda::allow_dynamic_smem(flow_tiled_kernel, smem);
+  static_assert(kMaxKeptPasses == 2, "one kernel per number of kept passes below");
+  void (*kernel)(TiledArgs) = a.H <= kPassCols ? flow_tiled_kernel<1> : flow_tiled_kernel<2>;
+  cuda::allow_dynamic_smem(kernel, smem);
   const unsigned grid = unsigned((c.B + kTileRows - 1) / kTileRows);
-  flow_tiled_kernel<<<grid, kThreads, smem, stream>>>(a);
+  kernel<<<grid, kThreads, smem, stream>>>(a);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 

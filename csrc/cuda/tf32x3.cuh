@@ -70,34 +70,98 @@ __device__ __forceinline__ void mma_3xtf32_m16n8k8(float (&c)[4], const SplitTf3
   mma_tf32_m16n8k8(c, a_big, b_big);
 }
 
+// A operands kept in shared memory already split: two planes of the same
+// shape, big parts then small parts (plane_floats apart), so the split is
+// paid once per element instead of once per warp that reads it.  One
+// ldmatrix.x4 loads a lane's four A values of one plane: ldmatrix moves 8x8
+// tiles of 16-bit elements, and read as 32-bit elements an 8x8 b16 tile is
+// an 8x4 tf32 tile whose lane (g, t) gets element (g, t) -- exactly the
+// m16n8k8 A fragment when the four tiles are rows 0-7 / 8-15 x columns
+// k..k+3 / k+4..k+7.  Row stride ld must be a multiple of 4 floats (16-byte
+// row addresses); ld / 4 odd keeps the 8 rows of a tile in 8 different
+// 16-byte bank groups (conflict-free).
+struct SplitRows {
+  float* big;         // [rows, ld]; the small parts at big + plane_floats
+  int ld, plane_floats;
+  __device__ __forceinline__ void store(int r, int c, float v) const {
+    const SplitTf32 s = split_tf32(v);
+    big[r * ld + c] = __uint_as_float(s.big);
+    big[plane_floats + r * ld + c] = __uint_as_float(s.small);
+  }
+};
+
+// This lane's ldmatrix row address within a 16-row, 8-column A tile: lanes
+// 8j..8j+7 address the rows of tile j (tiles: rows 0-7 | 8-15, columns
+// +0 | +4).
+__device__ __forceinline__ int ldmatrix_lane_offset(int ld) {
+  const int lane = threadIdx.x % kWarpSize;
+  return ((lane & 7) + (lane & 8)) * ld + (lane >> 4) * 4;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// c += a * b at float32 accuracy from operands split ahead of time (same
+// order of the three products as mma_3xtf32_m16n8k8).
+__device__ __forceinline__ void mma_3xtf32_presplit(float (&c)[4], const uint32_t (&a_big)[4],
+                                                    const uint32_t (&a_small)[4],
+                                                    const uint32_t (&b_big)[2],
+                                                    const uint32_t (&b_small)[2]) {
+  mma_tf32_m16n8k8(c, a_small, b_big);
+  mma_tf32_m16n8k8(c, a_big, b_small);
+  mma_tf32_m16n8k8(c, a_big, b_big);
+}
+
 // B operands (weights, nn.Linear's [N, K] layout) packed once per call in
 // mma.m16n8k8's fragment order: for k-step s (8 columns) and n8-tile T, the
-// 32 lanes' fragments are 64 consecutive floats, lane (g, t) holding
-// W[8 T + g][8 s + t] and W[8 T + g][8 s + t + 4] (zero past N and K).  A lane
-// then reads its whole fragment with one 8-byte load, and a warp's 32 loads
-// are 256 contiguous bytes, where the [N, K] layout needs two 4-byte loads
-// with bounds checks spread over eight rows.  Tiles are grouped in passes of
-// pass_tiles (only the last pass may be shorter), ordered
-// [pass][k-step][tile in pass][lane][2], so that a range of k-steps of one
-// pass is contiguous (a kernel can stream it as one chunk); a single pass
-// (pass_tiles >= the tile count) is plain [k-step][tile][lane][2].
+// 32 lanes' fragments are consecutive, lane (g, t) holding W[8 T + g][8 s + t]
+// and W[8 T + g][8 s + t + 4] (zero past N and K).  A lane then reads its
+// whole fragment with one 8-byte load, and a warp's 32 loads are 256
+// contiguous bytes, where the [N, K] layout needs two 4-byte loads with
+// bounds checks spread over eight rows.  With `split` each lane's fragment is
+// stored already split, {big(t), big(t+4), small(t), small(t+4)} as TF32 bit
+// patterns: one 16-byte load and no split in the kernel, for twice the bytes.
+// Tiles are grouped in passes of pass_tiles (only the last pass may be
+// shorter), ordered [pass][k-step][tile in pass][lane][2 or 4], so that a
+// range of k-steps of one pass is contiguous (a kernel can stream it as one
+// chunk); a single pass (pass_tiles >= the tile count) is plain
+// [k-step][tile][lane][2 or 4].
 struct BFragments {
   const float* w;  // [N, K], row stride ld
   int64_t ld;
   int N, K, ksteps, pass_tiles;  // ksteps >= ceil(K / 8): k-steps packed (zero past K)
-  float* out;                    // b_fragment_size(N, ksteps) floats
+  float* out;                    // b_fragment_size(N, ksteps, split) floats
+  bool split;
 };
 
-__host__ __device__ inline int64_t b_fragment_size(int N, int ksteps) {
-  return int64_t(ksteps) * ((N + 7) / 8) * (kWarpSize * 2);
+// Floats of one warp's fragment (one k-step, one n8-tile).
+__host__ __device__ constexpr int b_fragment_floats(bool split) { return kWarpSize * (split ? 4 : 2); }
+
+__host__ __device__ inline int64_t b_fragment_size(int N, int ksteps, bool split = false) {
+  return int64_t(ksteps) * ((N + 7) / 8) * b_fragment_floats(split);
+}
+
+// n8-tiles in pass p (all but the last pass hold pass_tiles).
+__host__ __device__ inline int b_fragment_pass_tiles(int N, int pass_tiles, int p) {
+  const int left = (N + 7) / 8 - p * pass_tiles;
+  return left < pass_tiles ? left : pass_tiles;
 }
 
 // Offset (floats) of the fragments of k-step s, n8-tile T.
-__host__ __device__ inline int64_t b_fragment_offset(int N, int ksteps, int pass_tiles, int s, int T) {
+__host__ __device__ inline int64_t b_fragment_offset(int N, int ksteps, int pass_tiles, int s, int T,
+                                                     bool split = false) {
   const int p = T / pass_tiles, nt = T - p * pass_tiles;
-  const int left = (N + 7) / 8 - p * pass_tiles;
-  const int tiles_p = left < pass_tiles ? left : pass_tiles;
-  return (int64_t(p) * pass_tiles * ksteps + int64_t(s) * tiles_p + nt) * (kWarpSize * 2);
+  return (int64_t(p) * pass_tiles * ksteps + int64_t(s) * b_fragment_pass_tiles(N, pass_tiles, p) + nt) *
+         b_fragment_floats(split);
 }
 
 // Packs up to kMaxBFragments matrices in one launch (blockIdx.y = matrix).
@@ -115,8 +179,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock) pack_b_fragments_kernel(cons
   for (int i = 1; i < kMaxBFragments; ++i)
     if (int(blockIdx.y) == i) b = batch.m[i];
   const int tiles = (b.N + 7) / 8;
-  // Element (s, T, lane, e), e fastest: consecutive threads write
-  // consecutive packed floats within a tile.
+  // Value (s, T, lane, e), e fastest: consecutive threads write consecutive
+  // packed floats within a tile.
   const int64_t total = b_fragment_size(b.N, b.ksteps);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -124,8 +188,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock) pack_b_fragments_kernel(cons
     const int64_t f = i / (kWarpSize * 2);
     const int T = int(f % tiles), s = int(f / tiles);
     const int n = 8 * T + lane / 4, k = 8 * s + lane % 4 + 4 * e;
-    b.out[b_fragment_offset(b.N, b.ksteps, b.pass_tiles, s, T) + lane * 2 + e] =
-        (n < b.N && k < b.K) ? b.w[int64_t(n) * b.ld + k] : 0.f;
+    const float v = (n < b.N && k < b.K) ? b.w[int64_t(n) * b.ld + k] : 0.f;
+    float* frag = b.out + b_fragment_offset(b.N, b.ksteps, b.pass_tiles, s, T, b.split);
+    if (b.split) {
+      const SplitTf32 sp = split_tf32(v);
+      frag[lane * 4 + e] = __uint_as_float(sp.big);
+      frag[lane * 4 + 2 + e] = __uint_as_float(sp.small);
+    } else {
+      frag[lane * 2 + e] = v;
+    }
   }
 }
 
@@ -134,7 +205,7 @@ inline void pack_b_fragments(cudaStream_t stream, const BFragmentsBatch& batch, 
   constexpr int kPackThreads = 256;
   int64_t largest = 0;
   for (int i = 0; i < count; ++i) {
-    const int64_t n = b_fragment_size(batch.m[i].N, batch.m[i].ksteps);
+    const int64_t n = b_fragment_size(batch.m[i].N, batch.m[i].ksteps);  // values, split or not
     largest = n > largest ? n : largest;
   }
   const int64_t blocks = (largest + kPackThreads - 1) / kPackThreads;

@@ -420,23 +420,35 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
 // One CTA per kTileRows = 64 samples runs the whole forward pass on chip:
 // encoder (x streamed through shared memory in kChunk-wide column chunks),
 // mu / logvar, z and KL, decoder hidden layer, then the decoder logits in
-// 256-column chunks whose BCE terms go straight into per-row sums.  Every
+// 256-column passes whose BCE terms go straight into per-row sums.  Every
 // product is a 3xTF32 tensor-core product (cuda/tf32x3.cuh) with float32
-// accumulation: float32 accuracy at tensor-core speed.  A operands come from
-// shared memory (row strides = 4 mod 32 floats: conflict-free fragment
-// loads), B operands (the weights) straight from global memory / L2, packed
-// once per call in fragment order (cuda::pack_b_fragments: one 8-byte load
-// per fragment, 256 contiguous bytes per warp, zero fill outside [N, K)), so
-// I and L may be anything; H % 8 == 0 and H <= 256 (8 warps x 32 columns
-// cover the hidden layer).
-// 8192 samples make 128 CTAs: one wave on an H100/H200, each reading the
-// weights (1.6 MB at 784-256-32) once from L2.
+// accumulation: float32 accuracy at tensor-core speed.
+//
+// Operands are split into their TF32 big and small parts once, not at every
+// use (ncu on the previous version, run V: ~88% of the issued instructions
+// were not mma; by our count of the source most were the splits' conversions,
+// repeated by each of the 8 warps reading the same A values):
+// - A operands (x chunks, h, z, the decoder hidden layer) are stored split
+//   in shared memory when they are produced (cuda::SplitRows, two planes)
+//   and read with ldmatrix, two instructions per 16x8 fragment;
+// - B operands (the weights) are packed split once per call
+//   (cuda::pack_b_fragments with split: one 16-byte load per fragment, 512
+//   contiguous bytes per warp) and stream from L2 kDepth - 1 k-steps ahead
+//   of their use, in registers (each warp owns its output columns, so no
+//   other warp reads them: nothing to share through shared memory).
+// I and L may be anything (zero padding to whole k-steps on both sides);
+// H % 8 == 0 and H <= 256 (8 warps x 32 columns cover the hidden layer).
+// 8192 samples make 128 CTAs: one wave on an H100/H200.
 
 constexpr int kTileRows = 64;
-constexpr int kChunk = 32;  // x columns staged per encoder step
+constexpr int kChunk = 32;            // x columns staged per encoder chunk
+constexpr int kDepth = kChunk / 8;    // B fragments in flight per warp: a chunk's k-steps
 constexpr int kMT = kTileRows / 16;
 static_assert(kTileRows * kChunk % kThreads == 0, "x chunks split evenly over the threads");
 
+// Shared memory of the tiled kernel, in floats.  Row strides are 4 mod 8
+// floats (odd multiples of 16 bytes: conflict-free ldmatrix); each A
+// operand has a big and a small plane.
 struct TiledLayout {
   int Lp, ldx, ldh, ldz, ldm, xs, hs, zs, ms, klrow, wpart, total;
   __host__ __device__ TiledLayout(int H, int L) {
@@ -446,19 +458,19 @@ struct TiledLayout {
     ldz = Lp + 4;
     ldm = 2 * Lp + 4;
     xs = 0;
-    hs = xs + kTileRows * ldx;
-    zs = hs + kTileRows * ldh;
-    ms = zs + kTileRows * ldz;
+    hs = xs + 2 * kTileRows * ldx;
+    zs = hs + 2 * kTileRows * ldh;
+    ms = zs + 2 * kTileRows * ldz;
     klrow = ms + kTileRows * ldm;
     wpart = klrow + kTileRows;
     total = wpart + kWarps * kTileRows;
   }
 };
 
-// A weight in mma B-fragment order (cuda::pack_b_fragments, one pass):
-// fragments of k-step s, n8-tile T at frag[(s * tiles + T) * 32 + lane].
+// A weight packed split in mma B-fragment order (cuda::pack_b_fragments, one
+// pass): the fragments of k-step s, n8-tile T at frag[(s * tiles + T) * 32 + lane].
 struct PackedWeight {
-  const float2* frag;
+  const float4* frag;
   int tiles, ksteps;  // ceil(N / 8), ceil(K / 8)
 };
 
@@ -467,50 +479,73 @@ struct TiledWeights {
   PackedWeight enc, mu, lv, d1, d2;
 };
 
-// acc[mt][nt] += A[rows mt*16.., k0..k1) * W[n0 + nt*8.., s0*8 + (k0..k1))^T
-// for the 64 rows of A (shared, row stride lda, zero beyond the valid
-// columns) and the packed weight W (zero past N and K; tiles and k-steps
-// beyond the packed ones read as zero).
-template <int NT>
-__device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const float* A, int lda,
-                                           const PackedWeight W, int n0, int s0, int k0, int k1) {
-  const int lane = threadIdx.x % cuda::kWarpSize, g = lane / 4, t = lane % 4;
-  // The weights come from L2: the next step's B fragments are loaded one
-  // step ahead so their latency overlaps this step's tensor-core work; one
-  // 8-byte load per fragment, 256 contiguous bytes per warp.
-  float2 bnext[NT];
-  auto load_b = [&](int k) {
-    const int s = s0 + k / 8;
+// acc[mt][nt] += A[rows mt*16.., 8 s..) * W[8 (tile0 + nt).., 8 s..)^T over
+// k-steps s < ksteps, for the 64 rows of the split A (shared, zero in the
+// padded columns) and the packed weight W (tiles past W.tiles read as zero).
+// With CHUNKED, A holds only the current kChunk columns and
+// before_chunk(c) runs (in every thread of the CTA: it may hold barriers)
+// before k-step c * kDepth, to stage them; otherwise A holds all columns.
+// The B ring runs across chunk boundaries, so the weights' L2 latency is
+// hidden there too.  A warp whose tiles are all past W.tiles only takes part
+// in before_chunk.
+template <int NT, bool CHUNKED, typename ChunkFn>
+__device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const cuda::SplitRows A,
+                                           const PackedWeight W, int tile0, int ksteps,
+                                           ChunkFn&& before_chunk) {
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  const bool active = tile0 < W.tiles;  // warp-uniform
+  const float* a_lane = A.big + cuda::ldmatrix_lane_offset(A.ld);
+  float4 ring[kDepth][NT];
+  auto load_b = [&](float4 (&b)[NT], int s) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int tile = n0 / 8 + nt;
-      bnext[nt] = (tile < W.tiles && s < W.ksteps)
-                      ? __ldg(W.frag + (int64_t(s) * W.tiles + tile) * cuda::kWarpSize + lane)
-                      : make_float2(0.f, 0.f);
+      const int tile = tile0 + nt;
+      b[nt] = (active && tile < W.tiles && s < ksteps)
+                  ? __ldg(W.frag + (int64_t(s) * W.tiles + tile) * cuda::kWarpSize + lane)
+                  : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
-  load_b(k0);
-  for (int k = k0; k < k1; k += 8) {
-    cuda::SplitTf32 bf[NT][2];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      bf[nt][0] = cuda::split_tf32(bnext[nt].x);
-      bf[nt][1] = cuda::split_tf32(bnext[nt].y);
-    }
-    if (k + 8 < k1) load_b(k + 8);
+  for (int d = 0; d < kDepth - 1; ++d) load_b(ring[d], d);
+  for (int s0 = 0; s0 < ksteps; s0 += kDepth) {
+    if (CHUNKED) before_chunk(s0 / kDepth);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      const float* a0 = A + (mt * 16 + g) * lda + k + t;
-      const float* a1 = a0 + 8 * lda;
-      const cuda::SplitTf32 af[4] = {cuda::split_tf32(a0[0]), cuda::split_tf32(a1[0]),
-                                     cuda::split_tf32(a0[4]), cuda::split_tf32(a1[4])};
+    for (int d = 0; d < kDepth; ++d) {
+      const int s = s0 + d;
+      if (s >= ksteps) break;  // uniform
+      // Refill the slot consumed at step s - 1 with step s + kDepth - 1.
+      load_b(ring[(d + kDepth - 1) % kDepth], s + kDepth - 1);
+      if (!active) continue;
+      uint32_t bb[NT][2], bs[NT][2];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) cuda::mma_3xtf32_m16n8k8(acc[mt][nt], af, bf[nt]);
+      for (int nt = 0; nt < NT; ++nt) {
+        bb[nt][0] = __float_as_uint(ring[d][nt].x);
+        bb[nt][1] = __float_as_uint(ring[d][nt].y);
+        bs[nt][0] = __float_as_uint(ring[d][nt].z);
+        bs[nt][1] = __float_as_uint(ring[d][nt].w);
+      }
+      const int col = CHUNKED ? d * 8 : s * 8;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        uint32_t ab[4], as[4];
+        const float* p = a_lane + mt * 16 * A.ld + col;
+        cuda::ldmatrix_x4(ab, p);
+        cuda::ldmatrix_x4(as, p + A.plane_floats);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) cuda::mma_3xtf32_presplit(acc[mt][nt], ab, as, bb[nt], bs[nt]);
+      }
     }
   }
 }
 
-// Calls f(row, col, value) for each accumulator element (fragment C layout).
+template <int NT>
+__device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const cuda::SplitRows A,
+                                           const PackedWeight W, int tile0, int ksteps) {
+  mma_rows64<NT, false>(acc, A, W, tile0, ksteps, [](int) {});
+}
+
+// Calls f(row, col, value) for each accumulator element (fragment C layout)
+// of the tiles at column n0.
 template <int NT, typename F>
 __device__ __forceinline__ void for_each_acc(const float (&acc)[kMT][NT][4], int n0, F f) {
   const int lane = threadIdx.x % cuda::kWarpSize, g = lane / 4, t = lane % 4;
@@ -534,28 +569,54 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kMT][NT][4]) {
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 }
 
-__global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<float> a, const TiledWeights w) {
+// BCE terms of the decoder logits of one pass (tiles at tile0) into the
+// per-row sums: lane (g, t) owns rows g + 8 j (j < 2 kMT), summed in a fixed
+// order (passes in order, then columns in fragment order).
+template <int NT>
+__device__ __forceinline__ void decoder_pass(float (&rsum)[2 * kMT], const Args<float>& a,
+                                             const cuda::SplitRows gs, const PackedWeight w, int tile0,
+                                             int row0, int rows) {
+  float acc[kMT][NT][4];
+  zero_acc(acc);
+  mma_rows64<NT>(acc, gs, w, tile0, w.ksteps);
+  const int lane = threadIdx.x % cuda::kWarpSize;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
+        const int n = (tile0 + nt) * 8 + 2 * (lane % 4) + (i & 1);
+        if (n < a.I && r < rows) {
+          rsum[2 * mt + (i >= 2)] +=
+              bce_term(acc[mt][nt][i] + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
+        }
+      }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) vae_elbo_tiled_kernel(const Args<float> a, const TiledWeights w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(16) float smem[];
   const int I = a.I, H = a.H, L = a.L;
   const TiledLayout lay(H, L);
-  float* xs = smem + lay.xs;
-  float* hs = smem + lay.hs;  // h, later the decoder hidden layer g
-  float* zs = smem + lay.zs;
+  const cuda::SplitRows xs{smem + lay.xs, lay.ldx, kTileRows * lay.ldx};
+  const cuda::SplitRows hs{smem + lay.hs, lay.ldh, kTileRows * lay.ldh};  // h, later the decoder hidden layer
+  const cuda::SplitRows zs{smem + lay.zs, lay.ldz, kTileRows * lay.ldz};
   float* ms = smem + lay.ms;  // mu [.., 0:L) and logvar [.., Lp:Lp+L)
   float* klrow = smem + lay.klrow;
   float* wpart = smem + lay.wpart;
   const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
   const int row0 = blockIdx.x * kTileRows;
   const int rows = min(kTileRows, a.B - row0);
-  const int ncol = warp * 32;  // this warp's 32 hidden columns
+  const int tile0 = warp * 4;  // this warp's 4 n8-tiles (32 columns) of the hidden layer
 
-  // 1. Encoder.
+  // 1. Encoder.  x chunks go through registers one chunk ahead (the global
+  //    loads of chunk c + 1 are in flight while the tensor cores work on
+  //    chunk c) and are split into shared memory between two barriers.
   {
     float acc[kMT][4][4];
     zero_acc(acc);
-    // x chunks go through registers one chunk ahead: the global loads of
-    // chunk c + 1 are in flight while the tensor cores work on chunk c.
     constexpr int kPer = kTileRows * kChunk / kThreads;
     float xr[kPer];
     auto load_x = [&](int kc) {
@@ -566,40 +627,40 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
       }
     };
     load_x(0);
-    for (int kc = 0; kc < I; kc += kChunk) {
+    mma_rows64<4, true>(acc, xs, w.enc, tile0, w.enc.ksteps, [&](int c) {
       __syncthreads();  // the previous chunk is consumed
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int idx = threadIdx.x + j * kThreads;
-        xs[(idx / kChunk) * lay.ldx + idx % kChunk] = xr[j];
+        xs.store(idx / kChunk, idx % kChunk, xr[j]);
       }
       __syncthreads();
-      if (kc + kChunk < I) load_x(kc + kChunk);
-      if (ncol < H) mma_rows64<4>(acc, xs, lay.ldx, w.enc, ncol, kc / 8, 0, kChunk);
-    }
-    if (ncol < H) {
-      for_each_acc(acc, ncol, [&](int r, int n, float v) {
-        if (n < H) hs[r * lay.ldh + n] = relu(v + __ldg(a.b_enc + n));
+      if ((c + 1) * kChunk < I) load_x((c + 1) * kChunk);
+    });
+    if (tile0 * 8 < H) {
+      for_each_acc(acc, tile0 * 8, [&](int r, int n, float v) {
+        if (n < H) hs.store(r, n, relu(v + __ldg(a.b_enc + n)));
       });
     }
   }
   // Zero the padding columns of z (read as A operand up to Lp).
   for (int idx = threadIdx.x; idx < kTileRows * (lay.Lp - L); idx += kThreads) {
-    zs[(idx / (lay.Lp - L)) * lay.ldz + L + idx % (lay.Lp - L)] = 0.0f;
+    zs.store(idx / (lay.Lp - L), L + idx % (lay.Lp - L), 0.0f);
   }
   __syncthreads();
 
-  // 2. mu and logvar: units of 8 latent columns, mu units then logvar units.
+  // 2. mu and logvar: units of one n8-tile, mu units then logvar units.
   {
     const int nt_l = lay.Lp / 8;
     for (int u = warp; u < 2 * nt_l; u += kWarps) {
       const bool is_lv = u >= nt_l;
-      const int n0 = (is_lv ? u - nt_l : u) * 8;
+      const int t = is_lv ? u - nt_l : u;
       float acc[kMT][1][4];
       zero_acc(acc);
-      mma_rows64<1>(acc, hs, lay.ldh, is_lv ? w.lv : w.mu, n0, 0, 0, H);
+      const PackedWeight wl = is_lv ? w.lv : w.mu;
+      mma_rows64<1>(acc, hs, wl, t, wl.ksteps);
       const float* bias = is_lv ? a.b_lv : a.b_mu;
-      for_each_acc(acc, n0, [&](int r, int n, float v) {
+      for_each_acc(acc, t * 8, [&](int r, int n, float v) {
         if (n < L) ms[r * lay.ldm + (is_lv ? lay.Lp : 0) + n] = v + __ldg(bias + n);
       });
     }
@@ -609,7 +670,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
     const int r = idx / L, l = idx % L;
     const float mu = ms[r * lay.ldm + l], lv = ms[r * lay.ldm + lay.Lp + l];
     const float e = r < rows ? __ldg(a.eps + size_t(row0 + r) * L + l) : 0.0f;
-    zs[r * lay.ldz + l] = mu + expf(0.5f * lv) * e;
+    zs.store(r, l, mu + expf(0.5f * lv) * e);
     ms[r * lay.ldm + l] = ((1.0f + lv) - mu * mu) - expf(lv);  // KL term
   }
   __syncthreads();
@@ -624,39 +685,28 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_tiled_kernel(const Args<flo
   {
     float acc[kMT][4][4];
     zero_acc(acc);
-    if (ncol < H) {
-      mma_rows64<4>(acc, zs, lay.ldz, w.d1, ncol, 0, 0, lay.Lp);
-      for_each_acc(acc, ncol, [&](int r, int n, float v) {
-        if (n < H) hs[r * lay.ldh + n] = relu(v + __ldg(a.b_d1 + n));
+    mma_rows64<4>(acc, zs, w.d1, tile0, w.d1.ksteps);
+    if (tile0 * 8 < H) {
+      for_each_acc(acc, tile0 * 8, [&](int r, int n, float v) {
+        if (n < H) hs.store(r, n, relu(v + __ldg(a.b_d1 + n)));
       });
     }
   }
   __syncthreads();
 
-  // 4. Decoder logits, 256 columns per pass (32 per warp), into BCE row sums.
-  //    Lane (g, t) holds rows g + 8 j (j < 8); its sums run in a fixed order.
+  // 4. Decoder logits into BCE row sums: passes of 4 n8-tiles per warp while
+  //    more than one tile per warp is left, then one tile per warp, so the
+  //    tail (784 = 3 x 256 + 16 columns) does not cost a whole pass of one
+  //    busy warp.
   float rsum[2 * kMT];
 #pragma unroll
   for (int j = 0; j < 2 * kMT; ++j) rsum[j] = 0.0f;
-  for (int nb = 0; nb < I; nb += kWarps * 32) {
-    const int n0 = nb + ncol;
-    if (n0 >= I) continue;  // warp-uniform
-    float acc[kMT][4][4];
-    zero_acc(acc);
-    mma_rows64<4>(acc, hs, lay.ldh, w.d2, n0, 0, 0, H);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
-          const int n = n0 + nt * 8 + 2 * (lane % 4) + (i & 1);
-          if (n < I && r < rows) {
-            rsum[2 * mt + (i >= 2)] +=
-                bce_term(acc[mt][nt][i] + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * I + n));
-          }
-        }
+  int base = 0;
+  for (; w.d2.tiles - base > kWarps; base += 4 * kWarps) {
+    if (base + warp * 4 < w.d2.tiles) decoder_pass<4>(rsum, a, hs, w.d2, base + warp * 4, row0, rows);
+  }
+  for (; base < w.d2.tiles; base += kWarps) {
+    if (base + warp < w.d2.tiles) decoder_pass<1>(rsum, a, hs, w.d2, base + warp, row0, rows);
   }
   // The four lanes of a row group (same lane / 4) hold disjoint columns.
 #pragma unroll
@@ -730,7 +780,7 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
       {{a.w_enc, a.I, a.H, a.I}, {a.w_mu, a.H, a.L, a.H}, {a.w_lv, a.H, a.L, a.H},
        {a.w_d1, a.L, a.H, a.L}, {a.w_d2, a.H, a.I, a.H}}};
   int64_t total = 0;
-  for (const auto& [m, ld, N, K] : mats) total += cuda::b_fragment_size(N, steps(K));
+  for (const auto& [m, ld, N, K] : mats) total += cuda::b_fragment_size(N, steps(K), true);
   Tensor packed = empty_like_device(like, {total});
   float* out = packed.mutable_data_ptr<float>();
   cuda::BFragmentsBatch batch{};
@@ -738,9 +788,9 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
   for (int i = 0; i < 5; ++i) {
     const auto& [m, ld, N, K] = mats[i];
     const int tiles = (N + 7) / 8;
-    batch.m[i] = {m, ld, N, K, steps(K), tiles, out};  // one pass: all tiles
-    pw[i] = {reinterpret_cast<const float2*>(out), tiles, steps(K)};
-    out += cuda::b_fragment_size(N, steps(K));
+    batch.m[i] = {m, ld, N, K, steps(K), tiles, out, /*split=*/true};  // one pass: all tiles
+    pw[i] = {reinterpret_cast<const float4*>(out), tiles, steps(K)};
+    out += cuda::b_fragment_size(N, steps(K), true);
   }
   cuda::pack_b_fragments(stream, batch, 5);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
