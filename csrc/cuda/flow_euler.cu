@@ -604,6 +604,8 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
     const int tiles = pass_tiles(N, p);
+    // This warp's tiles warp + kWarps * i of the pass, for i < n_valid.
+    const int n_valid = tiles > warp ? min(4, (tiles - warp + kWarps - 1) / kWarps) : 0;
     for (int kc = 0; kc < kchunks; ++kc) {
       const int q = p * kchunks + kc;
       // Chunk q has landed (this thread's copies), then everyone's; every
@@ -621,16 +623,16 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
           cuda::ldmatrix_x4(ab[m], ap + m * 16 * in.ld);
           cuda::ldmatrix_x4(as[m], ap + m * 16 * in.ld + in.plane_floats);
         }
+        uint32_t bb[4][2], bs[4][2];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int nt = warp + kWarps * i;
-          if (nt >= tiles) continue;  // warp-uniform
+          if (i >= n_valid) break;  // warp-uniform
           const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + nt) * kFragFloats + lane * 2);
           const cuda::SplitTf32 b0 = cuda::split_tf32(w.x), b1 = cuda::split_tf32(w.y);
-          const uint32_t bb[2] = {b0.big, b1.big}, bs[2] = {b0.small, b1.small};
-          cuda::mma_3xtf32_presplit(acc[0][i], ab[0], as[0], bb, bs);
-          cuda::mma_3xtf32_presplit(acc[1][i], ab[1], as[1], bb, bs);
+          bb[i][0] = b0.big, bb[i][1] = b1.big, bs[i][0] = b0.small, bs[i][1] = b1.small;
         }
+        cuda::mma_3xtf32_tiles(acc, ab, as, bb, bs, n_valid);
       }
     }
   };

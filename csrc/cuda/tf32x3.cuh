@@ -42,11 +42,12 @@ __device__ __forceinline__ SplitTf32 split_tf32(float x) {
   return {big, to_tf32(x - __uint_as_float(big))};
 }
 
-// c += a * b on one m16n8k8 tile (operands already TF32 bit patterns).
+// c += a * b on one m16n8k8 tile (operands already TF32 bit patterns).  Not
+// volatile: the compiler may interleave independent products.
 __device__ __forceinline__ void mma_tf32_m16n8k8(float (&c)[4], const uint32_t (&a)[4],
                                                  const uint32_t (&b)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -55,19 +56,6 @@ __device__ __forceinline__ void mma_tf32_m16n8k8(float (&c)[4], const uint32_t (
   // Tensor cores need sm_80+; callers only launch these paths there.
   __trap();
 #endif
-}
-
-// c += a * b at float32 accuracy from split operands.  The small products go
-// first so they are not swamped by the large one in the accumulator.
-__device__ __forceinline__ void mma_3xtf32_m16n8k8(float (&c)[4], const SplitTf32 (&a)[4],
-                                                   const SplitTf32 (&b)[2]) {
-  const uint32_t a_big[4] = {a[0].big, a[1].big, a[2].big, a[3].big};
-  const uint32_t a_small[4] = {a[0].small, a[1].small, a[2].small, a[3].small};
-  const uint32_t b_big[2] = {b[0].big, b[1].big};
-  const uint32_t b_small[2] = {b[0].small, b[1].small};
-  mma_tf32_m16n8k8(c, a_small, b_big);
-  mma_tf32_m16n8k8(c, a_big, b_small);
-  mma_tf32_m16n8k8(c, a_big, b_big);
 }
 
 // A operands kept in shared memory already split: two planes of the same
@@ -110,15 +98,33 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
 #endif
 }
 
-// c += a * b at float32 accuracy from operands split ahead of time (same
-// order of the three products as mma_3xtf32_m16n8k8).
-__device__ __forceinline__ void mma_3xtf32_presplit(float (&c)[4], const uint32_t (&a_big)[4],
-                                                    const uint32_t (&a_small)[4],
-                                                    const uint32_t (&b_big)[2],
-                                                    const uint32_t (&b_small)[2]) {
-  mma_tf32_m16n8k8(c, a_small, b_big);
-  mma_tf32_m16n8k8(c, a_big, b_small);
-  mma_tf32_m16n8k8(c, a_big, b_big);
+// acc[m][n] += A_m * B_n at float32 accuracy for M x N tiles (n < n_valid,
+// a warp-uniform count) from operands split ahead of time: per tile
+// small_a*big_b, then big_a*small_b, then big_a*big_b (the small products
+// first, so the large one does not swamp them).  They are issued pass
+// by pass over all tiles, so consecutive mma.sync are independent: three
+// products into one accumulator back to back each wait for the previous
+// result (ncu, run W: "fixed latency" stalls led when they were chained).
+template <int M, int N>
+__device__ __forceinline__ void mma_3xtf32_tiles(float (&acc)[M][N][4], const uint32_t (&a_big)[M][4],
+                                                 const uint32_t (&a_small)[M][4],
+                                                 const uint32_t (&b_big)[N][2],
+                                                 const uint32_t (&b_small)[N][2], int n_valid = N) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      if (n < n_valid) mma_tf32_m16n8k8(acc[m][n], a_small[m], b_big[n]);
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      if (n < n_valid) mma_tf32_m16n8k8(acc[m][n], a_big[m], b_small[n]);
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      if (n < n_valid) mma_tf32_m16n8k8(acc[m][n], a_big[m], b_big[n]);
 }
 
 // B operands (weights, nn.Linear's [N, K] layout) packed once per call in

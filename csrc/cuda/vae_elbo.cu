@@ -525,15 +525,14 @@ __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const cuda:
         bs[nt][1] = __float_as_uint(ring[d][nt].w);
       }
       const int col = CHUNKED ? d * 8 : s * 8;
+      uint32_t ab[kMT][4], as[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        uint32_t ab[4], as[4];
         const float* p = a_lane + mt * 16 * A.ld + col;
-        cuda::ldmatrix_x4(ab, p);
-        cuda::ldmatrix_x4(as, p + A.plane_floats);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) cuda::mma_3xtf32_presplit(acc[mt][nt], ab, as, bb[nt], bs[nt]);
+        cuda::ldmatrix_x4(ab[mt], p);
+        cuda::ldmatrix_x4(as[mt], p + A.plane_floats);
       }
+      cuda::mma_3xtf32_tiles(acc, ab, as, bb, bs);
     }
   }
 }
