@@ -47,7 +47,9 @@
 //            scratch (2 H D + H H) + partials P (2 H + D); nothing of size
 //            n B H.
 //
-// P (column-sum partials per step) is 1 on CPU and ceil(B / 256) on CUDA.
+// P (column-sum partials per step) is 1 on CPU.  On CUDA it is ceil(B / 256)
+// when streaming and 0 when resident: the cooperative kernel sums the bias
+// gradients over all n B rows at the end, so it keeps no per-step partials.
 //
 // Determinism: every product is one BLAS/cuBLAS call, every column sum runs
 // over rows in a fixed order, and per-step contributions are added in a
@@ -204,10 +206,14 @@ Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwar
 //   mul_colsum(gh, s, partial)          gh *= s (in place); partials of gh, [B, H]
 //   accumulate(a, t)                    streaming: gw* += GW*s; gb* += sum_p P*;
 //                                       gw1[:, D] += t * sum_p P1
-//   finalize_biases(a)                  resident: gb* = sum_k sum_p P*[k];
-//                                       gw1[:, D] = sum_k t_k sum_p P1[k]
 //   finish(a)                           gx0 = G + GX
 // All of them run in stream order with the products.
+//
+// Resident mode runs here on CPU only (CUDA runs it as one cooperative
+// launch), so its last step is the caller's, not an Ops member that CUDA
+// would have to stub: on return the bias gradients and gw1[:, D] are still
+// zero, and the caller sets them from every step's partials P*[k]
+// (gb* = sum_k sum_p P*[k], gw1[:, D] = sum_k t_k sum_p P1[k]).
 template <typename T, typename Ops>
 void run_flow_euler_backward(const FlowBackwardArgs<T>& a, const torch::stable::Device& dev,
                              const Ops& ops) {
@@ -277,11 +283,11 @@ void run_flow_euler_backward(const FlowBackwardArgs<T>& a, const torch::stable::
     // Each weight gradient as one product over all n * B rows (the steps
     // stacked), straight into the output: gw3 = GV^T H2, gw2 = GA2^T H1,
     // gw1[:, :D] = GA1^T X (row stride D + 1 leaves the time column alone).
+    // The bias gradients are the caller's (comment above the function).
     const int64_t R = n * B;
     matmul<T>(a.GV, 1, D, a.H2, H, 1, a.gw3, H, D, H, R, dev);
     matmul<T>(a.GA2, 1, H, a.H1, H, 1, a.gw2, H, H, H, R, dev);
     matmul<T>(a.GA1, 1, H, a.traj, D, 1, a.gw1, D + 1, H, D, R, dev);
-    ops.finalize_biases(a);
   }
   ops.finish(a);
 }

@@ -219,6 +219,8 @@ struct CpuOps {
     for (int64_t d = 0; d < D; ++d) a.gb3[d] += a.P3[d];
   }
 
+  // Resident mode: the bias gradients and gw1[:, D] from every step's
+  // partials, after run_flow_euler_backward (which leaves them to the caller).
   void finalize_biases(const FlowBackwardArgs<T>& a) const {
     const int64_t n = a.num_steps;  // (P = 1 on CPU)
     for (int64_t j = 0; j < H; ++j) {
@@ -262,7 +264,9 @@ FlowEulerBackwardCall::Grads flow_euler_backward_cpu(const Tensor& grad_x, const
     }
     Tensor workspace = flow_backward_args<T>(c, 1, a);
     std::vector<T> bias(c.H);
-    run_flow_euler_backward<T>(a, cpu_device(), CpuOps<T>{c.B, c.D, c.H, bias.data()});
+    const CpuOps<T> ops{c.B, c.D, c.H, bias.data()};
+    run_flow_euler_backward<T>(a, cpu_device(), ops);
+    if (a.resident) ops.finalize_biases(a);
   });
   return c.grads();
 }

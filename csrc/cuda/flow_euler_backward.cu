@@ -32,7 +32,6 @@
 // results are bitwise reproducible (cuBLAS is deterministic on one device
 // and stream).
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -49,8 +48,6 @@
 
 namespace fused_ops {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 // Column-sum tiles: 32 columns (one warp wide, coalesced) x 8 row lanes; a
@@ -277,12 +274,9 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
   using cuda::gemm_job;
   using cuda::run_phase;
   using V = cuda::MatView<T>;
-  __shared__ cuda::PhaseSmem<T> smem;
-  cg::grid_group grid = cg::this_grid();
+  const auto [smem, grid, tid, nthreads] = cuda::phase_context<T>();
   const int64_t B = a.B, D = a.D, H = a.H, n = a.num_steps, BD = B * D, BH = B * H;
   const T dt = flow_step_size<T>(n);
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
 
   for (int64_t i = tid; i < BD; i += nthreads) {
     a.traj[i] = a.x0[i];
@@ -401,12 +395,6 @@ struct CudaOps {
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 
-  // Resident mode never reaches the shared step sequence on CUDA: it is one
-  // cooperative launch (flow_backward_resident_kernel).
-  void finalize_biases(const FlowBackwardArgs<T>&) const {
-    FUSED_OPS_CHECK(false, "fused_ops internal error: CUDA resident flow backward runs one launch");
-  }
-
   void finish(const FlowBackwardArgs<T>& a) const {
     add_kernel<T><<<grid_for(B * D), kThreads, 0, stream>>>(a.gx0, a.G, a.GX, B * D);
     FUSED_OPS_CUDA_LAUNCH_CHECK();
@@ -423,7 +411,10 @@ FlowEulerBackwardCall::Grads flow_euler_backward_cuda(const Tensor& grad_x, cons
   if (x0.is_cuda()) guard.emplace(x0.get_device_index());
   FlowEulerBackwardCall c(grad_x, x0, w1, b1, w2, b2, w3, b3, num_steps);
   FUSED_OPS_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", device_str(x0));
-  const int64_t P = (c.B + kChunkRows - 1) / kChunkRows;
+  // Column-sum partials are for the streaming kernels only: the resident
+  // kernel sums the bias gradients in its last phase.
+  const int64_t P =
+      flow_backward_resident(c.B, c.H, c.num_steps) ? 0 : (c.B + kChunkRows - 1) / kChunkRows;
   FUSED_OPS_CHECK(P <= INT_MAX && (std::max(c.D, c.H) + kColTile - 1) / kColTile <= 65535,
                   "flow_euler backward: sizes too large for the CUDA kernels (B=", c.B, ", D=", c.D,
                   ", H=", c.H, ")");

@@ -14,6 +14,7 @@
 // and are bitwise reproducible.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -212,6 +213,27 @@ __device__ void run_phase(PhaseSmem<T>& smem, const Jobs&... jobs) {
     (void)(((rest < jobs.units()) ? (jobs.run(rest, smem), true) : (rest -= jobs.units(), false)) ||
            ...);
   }
+}
+
+// What a persistent kernel's phases share: run_phase's shared memory, the
+// grid barrier between phases, and the grid-stride range of the elementwise
+// loops between them (i = tid; i < n; i += nthreads).  One definition, so
+// the kernels using this header cannot drift apart in how they set it up:
+//   const auto [smem, grid, tid, nthreads] = cuda::phase_context<T>();
+template <typename T>
+struct PhaseContext {
+  PhaseSmem<T>& smem;
+  cooperative_groups::grid_group grid;
+  int64_t tid, nthreads;
+};
+
+template <typename T>
+__device__ __forceinline__ PhaseContext<T> phase_context() {
+  // A __shared__ variable in a function is static: every call in a block
+  // gets the same storage, as if declared in the kernel.
+  __shared__ PhaseSmem<T> smem;
+  return {smem, cooperative_groups::this_grid(), blockIdx.x * int64_t(blockDim.x) + threadIdx.x,
+          int64_t(gridDim.x) * blockDim.x};
 }
 
 }  // namespace cuda

@@ -38,8 +38,6 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <optional>
 
@@ -51,8 +49,6 @@
 
 namespace fused_ops {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 // Largest amount of work (multiply-adds, B H (6 I + 8 L)) for the persistent
@@ -249,11 +245,8 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
   using cuda::gemm_job;
   using cuda::run_phase;
   using V = cuda::MatView<T>;
-  __shared__ cuda::PhaseSmem<T> smem;
-  cg::grid_group grid = cg::this_grid();
+  const auto [smem, grid, tid, nthreads] = cuda::phase_context<T>();
   const int64_t B = p.B, I = p.I, H = p.H, L = p.L, L2 = 2 * p.L;
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
 
   for (int64_t k = tid; k < L * H; k += nthreads) {
     p.w_mulv[k] = p.w_mu[k];
