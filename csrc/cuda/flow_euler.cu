@@ -70,6 +70,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "cuda/cp_async.cuh"
 #include "cuda/int_divider.cuh"
@@ -595,6 +596,34 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
     cuda::cp_async_commit();
   };
 
+  // Adds chunk q (k-chunk kc of pass p, landed in its buffer) to acc for
+  // this warp's NV tiles of the pass (warp + kWarps * i, i < NV).  NV is a
+  // compile-time constant (run_pass switches on it per chunk, outside the
+  // barriers): tile guards inside the product sequence made the compiler
+  // fence every mma.sync with a WARPSYNC (ncu source counters, run X).
+  auto add_chunk = [&](float (&acc)[2][4][4], int q, int kc, int tiles, auto nv) {
+    constexpr int NV = decltype(nv)::value;
+    const float* buf = wbuf + (q % kStages) * kChunkFloats + warp * kFragFloats + lane * 2;
+#pragma unroll
+    for (int kk = 0; kk < kKChunk / 8; ++kk) {
+      const float* ap = a_lane + kc * kKChunk + kk * 8;
+      uint32_t ab[2][4], as[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        cuda::ldmatrix_x4(ab[m], ap + m * 16 * in.ld);
+        cuda::ldmatrix_x4(as[m], ap + m * 16 * in.ld + in.plane_floats);
+      }
+      uint32_t bb[4][2] = {}, bs[4][2] = {};
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + kWarps * i) * kFragFloats);
+        const cuda::SplitTf32 b0 = cuda::split_tf32(w.x), b1 = cuda::split_tf32(w.y);
+        bb[i][0] = b0.big, bb[i][1] = b1.big, bs[i][0] = b0.small, bs[i][1] = b1.small;
+      }
+      cuda::mma_3xtf32_tiles(acc, ab, as, bb, bs, NV);
+    }
+  };
+
   // Accumulates pass p (all its k-chunks) into acc.
   auto run_pass = [&](float (&acc)[2][4][4], int p) {
 #pragma unroll
@@ -604,8 +633,7 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
     const int tiles = pass_tiles(N, p);
-    // This warp's tiles warp + kWarps * i of the pass, for i < n_valid.
-    const int n_valid = tiles > warp ? min(4, (tiles - warp + kWarps - 1) / kWarps) : 0;
+    const int nv = tiles > warp ? min(4, (tiles - warp + kWarps - 1) / kWarps) : 0;  // warp-uniform
     for (int kc = 0; kc < kchunks; ++kc) {
       const int q = p * kchunks + kc;
       // Chunk q has landed (this thread's copies), then everyone's; every
@@ -613,26 +641,12 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
       cuda::cp_async_wait<1>();
       __syncthreads();
       issue(q + 2);
-      const float* buf = wbuf + (q % kStages) * kChunkFloats;
-#pragma unroll
-      for (int kk = 0; kk < kKChunk / 8; ++kk) {
-        const float* ap = a_lane + kc * kKChunk + kk * 8;
-        uint32_t ab[2][4], as[2][4];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          cuda::ldmatrix_x4(ab[m], ap + m * 16 * in.ld);
-          cuda::ldmatrix_x4(as[m], ap + m * 16 * in.ld + in.plane_floats);
-        }
-        uint32_t bb[4][2], bs[4][2];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int nt = warp + kWarps * i;
-          if (i >= n_valid) break;  // warp-uniform
-          const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + nt) * kFragFloats + lane * 2);
-          const cuda::SplitTf32 b0 = cuda::split_tf32(w.x), b1 = cuda::split_tf32(w.y);
-          bb[i][0] = b0.big, bb[i][1] = b1.big, bs[i][0] = b0.small, bs[i][1] = b1.small;
-        }
-        cuda::mma_3xtf32_tiles(acc, ab, as, bb, bs, n_valid);
+      switch (nv) {
+        case 4: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 4>{}); break;
+        case 3: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 3>{}); break;
+        case 2: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 2>{}); break;
+        case 1: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 1>{}); break;
+        default: break;
       }
     }
   };

@@ -26,20 +26,31 @@
 namespace fused_ops {
 namespace cuda {
 
-// x = big + small, both exactly representable in TF32 (round to nearest).
+// x = big + small: big is x rounded to TF32 (to nearest, ties away from
+// zero, as cvt.rna.tf32.f32), small the exact remainder x - big, handed to
+// the tensor core as its float32 bit pattern: the tensor core reads a .tf32
+// operand's top 19 bits and ignores the low 13 (CUTLASS's "fast" 3xTF32
+// relies on the same), so small enters truncated to TF32 -- an error of at
+// most 2^-21 |x| in a term that is itself at most 2^-11 |x|, below what the
+// float32 accumulation loses (an emulation at K = 784 and 256: max error vs
+// float64 7.7e-7 and 5.2e-7, against 6.5e-7 / 4.5e-7 with small rounded and
+// 5.0e-7 / 4.3e-7 for float32 FMA).
+// The rounding is two integer instructions: adding half a TF32 ulp to the
+// magnitude bits and clearing the 13 dropped ones is that rounding for every
+// finite input (a carry into the exponent is the correct round-up, up to
+// inf past the largest TF32 value).  sm_90 has no single instruction for
+// the cvt: it compiles to five (an inf/NaN test and a select besides), and
+// with the split's second cvt the splits were a third of the flow tile
+// kernel's instructions (ncu source counters, run X).  A NaN x gives a NaN
+// small part (x - big), so NaN still propagates; inf gives NaN, as the cvt
+// did (inf - inf).
 struct SplitTf32 {
   uint32_t big, small;
 };
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
 __device__ __forceinline__ SplitTf32 split_tf32(float x) {
-  const uint32_t big = to_tf32(x);
-  return {big, to_tf32(x - __uint_as_float(big))};
+  const uint32_t big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  return {big, __float_as_uint(x - __uint_as_float(big))};
 }
 
 // c += a * b on one m16n8k8 tile (operands already TF32 bit patterns).  Not

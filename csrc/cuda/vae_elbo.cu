@@ -468,7 +468,8 @@ struct TiledLayout {
 };
 
 // A weight packed split in mma B-fragment order (cuda::pack_b_fragments, one
-// pass): the fragments of k-step s, n8-tile T at frag[(s * tiles + T) * 32 + lane].
+// pass): the fragments of k-step s, n8-tile T at frag[(s * tiles + T) * 32 + lane],
+// for s < ksteps + kDepth - 1 (the last kDepth - 1 k-steps zero).
 struct PackedWeight {
   const float4* frag;
   int tiles, ksteps;  // ceil(N / 8), ceil(K / 8)
@@ -495,14 +496,20 @@ __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const cuda:
   const int lane = threadIdx.x % cuda::kWarpSize;
   const bool active = tile0 < W.tiles;  // warp-uniform
   const float* a_lane = A.big + cuda::ldmatrix_lane_offset(A.ld);
+  // The packed weights hold kDepth - 1 zero k-steps past the last, so the
+  // ring's look-ahead needs no bounds test; tiles past the weight's are
+  // zero, tested once here.
+  bool valid[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) valid[nt] = tile0 + nt < W.tiles;
+  const float4* b_lane = W.frag + int64_t(tile0) * cuda::kWarpSize + lane;
+  const int64_t b_step = int64_t(W.tiles) * cuda::kWarpSize;
   float4 ring[kDepth][NT];
   auto load_b = [&](float4 (&b)[NT], int s) {
+    const float4* p = b_lane + s * b_step;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int tile = tile0 + nt;
-      b[nt] = (active && tile < W.tiles && s < ksteps)
-                  ? __ldg(W.frag + (int64_t(s) * W.tiles + tile) * cuda::kWarpSize + lane)
-                  : make_float4(0.f, 0.f, 0.f, 0.f);
+      b[nt] = valid[nt] ? __ldg(p + nt * cuda::kWarpSize) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
 #pragma unroll
@@ -774,12 +781,13 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
   cuda::allow_dynamic_smem(vae_elbo_tiled_kernel, smem);
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   auto steps = [](int k) { return (k + 7) / 8; };
+  auto packed_steps = [&](int k) { return steps(k) + kDepth - 1; };  // zero k-steps for the look-ahead
   // (matrix, ld, N, K) of w_enc [H, I], w_mu / w_logvar [L, H], w_dec1 [H, L], w_dec2 [I, H].
   const std::array<std::tuple<const float*, int, int, int>, 5> mats{
       {{a.w_enc, a.I, a.H, a.I}, {a.w_mu, a.H, a.L, a.H}, {a.w_lv, a.H, a.L, a.H},
        {a.w_d1, a.L, a.H, a.L}, {a.w_d2, a.H, a.I, a.H}}};
   int64_t total = 0;
-  for (const auto& [m, ld, N, K] : mats) total += cuda::b_fragment_size(N, steps(K), true);
+  for (const auto& [m, ld, N, K] : mats) total += cuda::b_fragment_size(N, packed_steps(K), true);
   Tensor packed = empty_like_device(like, {total});
   float* out = packed.mutable_data_ptr<float>();
   cuda::BFragmentsBatch batch{};
@@ -787,9 +795,9 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
   for (int i = 0; i < 5; ++i) {
     const auto& [m, ld, N, K] = mats[i];
     const int tiles = (N + 7) / 8;
-    batch.m[i] = {m, ld, N, K, steps(K), tiles, out, /*split=*/true};  // one pass: all tiles
+    batch.m[i] = {m, ld, N, K, packed_steps(K), tiles, out, /*split=*/true};  // one pass: all tiles
     pw[i] = {reinterpret_cast<const float4*>(out), tiles, steps(K)};
-    out += cuda::b_fragment_size(N, steps(K), true);
+    out += cuda::b_fragment_size(N, packed_steps(K), true);
   }
   cuda::pack_b_fragments(stream, batch, 5);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
