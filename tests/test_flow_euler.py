@@ -77,6 +77,7 @@ CASES = [
     (33, 5, 20, 2),  # tiled
     (129, 1, 45, 100),  # tiled, D = 1
     (4096, 64, 256, 32),  # tiled, large-batch default
+    (129, 3, 300, 2),  # tiled, two column passes (the second layer kept in registers)
     (8, 5, 1100, 2),  # general: too large for the cluster
     (40, 3, 1100, 1),  # general: too large for a tile
 ]

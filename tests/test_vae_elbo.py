@@ -212,16 +212,19 @@ def test_single_element_clamp_value(device):
     assert torch.equal(recon, run_reference(args)[1])
 
 
-def test_nan_propagates(device):
+# B=4 takes the cluster path on CUDA, B=2048 (H % 8 == 0) the tiled one,
+# whose split of x into TF32 parts must keep the NaN.
+@pytest.mark.parametrize("B,H", [(4, 5), (2048, 8)], ids=["B4", "B2048-tiled"])
+def test_nan_propagates(B, H, device):
     # The reference refuses NaN probabilities (BCE's range check), so the rows
     # without NaN are compared with it and the NaN rows checked by hand.
-    args = make_inputs(4, 9, 5, 2, device=device)
+    args = make_inputs(B, 9, H, 2, device=device)
     args[0][1, 3] = float("nan")  # a target (and through h everything) of row 1
     args[1][2, 0] = float("nan")  # eps of row 2: z, so recon and elbo, not kl
     elbo, recon, kl = fused(*args)
     assert torch.isnan(recon[1:3]).all() and torch.isnan(elbo[1:3]).all()
     assert torch.isnan(kl[1]) and torch.isfinite(kl[2])
-    keep = torch.tensor([0, 3], device=device)
+    keep = torch.tensor([0, *range(3, B)], device=device)
     want = run_reference([args[0][keep], args[1][keep], *args[2:]])
     for g, w in zip((elbo, recon, kl), want):
         torch.testing.assert_close(g[keep], w, **tol(torch.float32))
