@@ -359,7 +359,7 @@ def vae_elbo(
     backward is not supported (a RuntimeError).
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
-    if x.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in args):
+    if torch.is_grad_enabled() and x.device.type == "cpu" and any(t.requires_grad for t in args):
         elbo, recon, kl, _ = torch.ops.fused_ops.vae_elbo_train.default(*args)
         return elbo, recon, kl
     return torch.ops.fused_ops.vae_elbo.default(*args)

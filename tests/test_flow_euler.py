@@ -511,6 +511,26 @@ def test_module_forward_matches_reference(dim, steps, device):
     torch.testing.assert_close(fused(x), ref_module(x), **tol(torch.float32))
 
 
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_module_follows_replaced_and_parametrized_weights():
+    # The forward reads parameters from the layers' dictionaries (fused_ops/nn.py);
+    # a replaced Parameter and a parametrized weight (a property, no longer in
+    # the dictionary) must be what it computes with, as the reference's layers do.
+    torch.manual_seed(0)
+    fused = fused_ops.nn.FlowODE(5, 3)
+    x = torch.randn(4, 5)
+    fused.velocity[4].bias = nn.Parameter(torch.randn(5))
+    nn.utils.parametrize.register_parametrization(fused.velocity[2], "weight", _Doubled())
+    want = reference.FlowODE.forward(fused, x)
+    torch.testing.assert_close(fused(x), want, **tol(torch.float32))
+    nn.utils.parametrize.remove_parametrizations(fused.velocity[2], "weight", leave_parametrized=False)
+    assert not torch.allclose(fused(x), want)
+
+
 def test_from_reference_shares_parameters_and_user_copy(device):
     user = UserFlow(5, 3, hidden=13).to(device)
     fused = fused_ops.nn.FlowODE.from_reference(user)

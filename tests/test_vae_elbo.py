@@ -593,6 +593,27 @@ def test_module_batch_shapes():
     torch.testing.assert_close(single[0], got[0][0, 0], **tol(torch.float32))
 
 
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_module_follows_replaced_and_parametrized_weights():
+    # The forward reads parameters from the layers' dictionaries (fused_ops/nn.py);
+    # a replaced Parameter and a parametrized weight (a property, no longer in
+    # the dictionary) must be what it computes with, as the reference's layers do.
+    torch.manual_seed(0)
+    mod = fused_ops.nn.VAE(6, 5, 2)
+    x, eps = torch.rand(3, 6), torch.randn(3, 2)
+    mod.decoder[0].bias = nn.Parameter(torch.randn(5))
+    nn.utils.parametrize.register_parametrization(mod.fc_mu, "weight", _Doubled())
+    want = reference.VAE.forward(mod, x, eps)
+    for g, w in zip(mod(x, eps), want):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    nn.utils.parametrize.remove_parametrizations(mod.fc_mu, "weight", leave_parametrized=False)
+    assert not torch.allclose(mod(x, eps)[2], want[2])
+
+
 def test_module_from_reference_shares_parameters():
     ref = UserVAE(12, 8, 3)
     mod = fused_ops.nn.VAE.from_reference(ref)
