@@ -31,7 +31,7 @@
 //
 // tiled    float32, compute capability >= 8.0, any B, when a 32-row tile's
 //          activations and three weight chunks fit shared memory (H <= 512
-//          and, at D = 64, H up to ~380): a packing kernel, then one launch,
+//          and, at D = 64, H <= 384): a packing kernel, then one launch,
 //          one block of 256 threads per 32 rows, running its rows through
 //          all steps with x and h in shared memory.  Each layer is a
 //          [32 x K] x [K x N] product on tensor cores in 3xTF32

@@ -109,13 +109,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
 #endif
 }
 
-// acc[m][n] += A_m * B_n at float32 accuracy for M x N tiles (n < n_valid,
-// a warp-uniform count) from operands split ahead of time: per tile
-// small_a*big_b, then big_a*small_b, then big_a*big_b (the small products
-// first, so the large one does not swamp them).  They are issued pass
-// by pass over all tiles, so consecutive mma.sync are independent: three
-// products into one accumulator back to back each wait for the previous
-// result (ncu, run W: "fixed latency" stalls led when they were chained).
+// acc[m][n] += A_m * B_n at float32 accuracy for M x N tiles (n < n_valid)
+// from operands split ahead of time: per tile small_a*big_b, then
+// big_a*small_b, then big_a*big_b (the small products first, so the large
+// one does not swamp them).  They are issued pass by pass over all tiles,
+// so no mma.sync waits on the one just before it (the three products of a
+// tile form a dependent chain).  n_valid must fold to a constant at the call
+// (a template argument of the caller): a run-time test around each
+// mma.sync makes the compiler fence every one with a WARPSYNC (run X).
 template <int M, int N>
 __device__ __forceinline__ void mma_3xtf32_tiles(float (&acc)[M][N][4], const uint32_t (&a_big)[M][4],
                                                  const uint32_t (&a_small)[M][4],
