@@ -175,3 +175,10 @@ def run_with_baseline_isa(tmp_path, body):
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+class Doubled(torch.nn.Module):
+    """A parametrization (torch.nn.utils.parametrize) that doubles its tensor."""
+
+    def forward(self, w):
+        return 2 * w

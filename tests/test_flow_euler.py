@@ -21,6 +21,7 @@ import fused_ops
 from fused_ops import reference
 from fused_test_utils import (
     DTYPES,
+    Doubled,
     arg_modifier,
     check_error_names,
     outputs_per_thread_count,
@@ -511,11 +512,6 @@ def test_module_forward_matches_reference(dim, steps, device):
     torch.testing.assert_close(fused(x), ref_module(x), **tol(torch.float32))
 
 
-class _Doubled(nn.Module):
-    def forward(self, w):
-        return 2 * w
-
-
 def test_module_follows_replaced_and_parametrized_weights():
     # The forward reads parameters from the layers' dictionaries (fused_ops/nn.py);
     # a replaced Parameter and a parametrized weight (a property, no longer in
@@ -524,7 +520,7 @@ def test_module_follows_replaced_and_parametrized_weights():
     fused = fused_ops.nn.FlowODE(5, 3)
     x = torch.randn(4, 5)
     fused.velocity[4].bias = nn.Parameter(torch.randn(5))
-    nn.utils.parametrize.register_parametrization(fused.velocity[2], "weight", _Doubled())
+    nn.utils.parametrize.register_parametrization(fused.velocity[2], "weight", Doubled())
     want = reference.FlowODE.forward(fused, x)
     torch.testing.assert_close(fused(x), want, **tol(torch.float32))
     nn.utils.parametrize.remove_parametrizations(fused.velocity[2], "weight", leave_parametrized=False)

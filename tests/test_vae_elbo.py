@@ -20,6 +20,7 @@ from fused_test_utils import (
     DEVICE_PARAMS,
     DTYPES,
     TOL,
+    Doubled,
     arg_modifier,
     check_error_names,
     outputs_per_thread_count,
@@ -593,11 +594,6 @@ def test_module_batch_shapes():
     torch.testing.assert_close(single[0], got[0][0, 0], **tol(torch.float32))
 
 
-class _Doubled(nn.Module):
-    def forward(self, w):
-        return 2 * w
-
-
 def test_module_follows_replaced_and_parametrized_weights():
     # The forward reads parameters from the layers' dictionaries (fused_ops/nn.py);
     # a replaced Parameter and a parametrized weight (a property, no longer in
@@ -606,7 +602,7 @@ def test_module_follows_replaced_and_parametrized_weights():
     mod = fused_ops.nn.VAE(6, 5, 2)
     x, eps = torch.rand(3, 6), torch.randn(3, 2)
     mod.decoder[0].bias = nn.Parameter(torch.randn(5))
-    nn.utils.parametrize.register_parametrization(mod.fc_mu, "weight", _Doubled())
+    nn.utils.parametrize.register_parametrization(mod.fc_mu, "weight", Doubled())
     want = reference.VAE.forward(mod, x, eps)
     for g, w in zip(mod(x, eps), want):
         torch.testing.assert_close(g, w, **tol(torch.float32))

@@ -93,10 +93,7 @@ def gradcheck_inputs(B, I, H, L, device, max_logit=8.0, margin=1e-4, tries=100):
     within the step of 0 crosses the kink."""
     for _ in range(tries):
         args = make_inputs(B, I, H, L, dtype=torch.float64, device=device)
-        with torch.no_grad():
-            pre_enc = torch.nn.functional.linear(args[0], args[2], args[3])
-            pre_dec = torch.nn.functional.linear(reference_outputs_z(args), args[8], args[9])
-            logits = torch.nn.functional.linear(torch.relu(pre_dec), args[10], args[11])
+        pre_enc, pre_dec, logits = reference_preactivations(args)
         if (logits.abs().max().item() <= max_logit
                 and min(pre_enc.abs().min().item(), pre_dec.abs().min().item()) >= margin):
             return [t.requires_grad_() for t in args]
@@ -125,9 +122,7 @@ def test_gradcheck_inputs_reject_saturated_logits():
     # helper must not hand such inputs to gradcheck.
     torch.manual_seed(4429908851)
     args = gradcheck_inputs(70, 4, 3, 2, "cpu")
-    with torch.no_grad():
-        logits = torch.nn.functional.linear(
-            torch.relu(torch.nn.functional.linear(reference_outputs_z(args), args[8], args[9])), args[10], args[11])
+    logits = reference_preactivations(args)[2]
     assert logits.abs().max().item() <= 8.0
 
 
@@ -170,9 +165,7 @@ def clear_of_relu_kinks(make, margin=2e-5, tries=100):
     float32 comparisons redraw until every unit is clear (~3 draws)."""
     for _ in range(tries):
         args = make()
-        with torch.no_grad():
-            pre_enc = torch.nn.functional.linear(args[0], args[2], args[3])
-            pre_dec = torch.nn.functional.linear(reference_outputs_z(args), args[8], args[9])
+        pre_enc, pre_dec, _ = reference_preactivations(args)
         if min(pre_enc.abs().min().item(), pre_dec.abs().min().item()) > margin:
             return args
     raise AssertionError(f"no draw in {tries} kept every ReLU input {margin} away from 0")
@@ -191,10 +184,7 @@ def test_float32_matches_reference_autograd(B, I, H, L, used, device):
 def test_float32_saturated_matches_reference_autograd(B, I, H, L, used, device):
     args = clear_of_relu_kinks(
         lambda: saturate(make_inputs(B, I, H, L, device=device, requires_grad=True)))
-    with torch.no_grad():
-        p = torch.sigmoid(torch.nn.functional.linear(
-            torch.relu(torch.nn.functional.linear(
-                reference_outputs_z(args), args[8], args[9])), args[10], args[11]))
+    p = torch.sigmoid(reference_preactivations(args)[2])
     assert (p == 1.0).any() and (p == 0.0).any() and ((p * (1 - p) < 1e-12) & (p > 0)).any()
     up = {n: torch.randn(B, device=device) for n in used}
     got = grads(fused, args, up)
@@ -212,6 +202,16 @@ def reference_outputs_z(args):
     x, eps, we, be, wm, bm, wl, bl = args[:8]
     h = torch.relu(torch.nn.functional.linear(x, we, be))
     return torch.nn.functional.linear(h, wm, bm) + torch.exp(0.5 * torch.nn.functional.linear(h, wl, bl)) * eps
+
+
+def reference_preactivations(args):
+    """(encoder ReLU input, decoder hidden ReLU input, decoder logits) of the
+    reference at ``args``, without autograd."""
+    with torch.no_grad():
+        pre_enc = torch.nn.functional.linear(args[0], args[2], args[3])
+        pre_dec = torch.nn.functional.linear(reference_outputs_z(args), args[8], args[9])
+        logits = torch.nn.functional.linear(torch.relu(pre_dec), args[10], args[11])
+    return pre_enc, pre_dec, logits
 
 
 def test_grads_through_module_and_batch_shape(device):
