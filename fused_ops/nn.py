@@ -26,30 +26,26 @@ __all__ = ["ImportanceSampler", "FlowODE", "VAE", "convert"]
 # falls back to the attribute.
 
 
+def _entry(module, table, name):
+    """``getattr(module, name)``, read from ``module.<table>`` (``_modules``,
+    ``_parameters`` or ``_buffers``) when it is there."""
+    value = getattr(module, table).get(name)
+    return value if value is not None else getattr(module, name)
+
+
 def _child(module, *names):
     for name in names:
-        child = module._modules.get(name)
-        module = child if child is not None else getattr(module, name)
+        module = _entry(module, "_modules", name)
     return module
 
 
 def _buffers_of(module, names):
-    out = []
-    for name in names:
-        b = module._buffers.get(name)
-        out.append(b if b is not None else getattr(module, name))
-    return out
+    return [_entry(module, "_buffers", name) for name in names]
 
 
 def _linear_params(*linears):
     """(weight, bias) of each linear layer, flattened in order."""
-    out = []
-    for layer in linears:
-        params = layer._parameters
-        for name in ("weight", "bias"):
-            t = params.get(name)
-            out.append(t if t is not None else getattr(layer, name))
-    return out
+    return [_entry(layer, "_parameters", name) for layer in linears for name in ("weight", "bias")]
 
 
 class ImportanceSampler(reference.ImportanceSampler):
