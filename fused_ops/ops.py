@@ -28,6 +28,33 @@ def _forbid_double_backward(name, reference):
     )
 
 
+def _needs_grad(tensors) -> bool:
+    """Whether autograd must record a call on ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _call_op(op, tensors, *scalars):
+    """``op(*tensors, *scalars)`` for an op with a Python autograd
+    registration (the forward ops, and the backward ops whose registration
+    forbids double backward).
+
+    When no gradient can flow (grad mode off, or no input requires grad) the
+    call goes straight below the Autograd dispatch key.  That is what the
+    autograd kernel ``torch.library.register_autograd`` installs does in that
+    case (it redispatches past autograd), without its Python round trip:
+    boxing every argument into Python and back costs ~7 us per call on the
+    H200 test host (``importance_sampling``, 6 tensors; bench/results/
+    nvidia-h200-kernel-timing.txt, "op" vs "redispatch") and ~20 us for the
+    12 tensors of ``vae_elbo`` on a 2-core VM, as much as a small fused
+    kernel.  Under ``torch.compile`` the op is called as it is, so the graph
+    records the op itself.
+    """
+    if torch.compiler.is_compiling() or _needs_grad(tensors):
+        return op(*tensors, *scalars)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*tensors, *scalars)
+
+
 # ---------------------------------------------------------------------------
 # importance_sampling
 # ---------------------------------------------------------------------------
@@ -65,8 +92,9 @@ def importance_sampling(
     terms; autograd saves the inputs and outputs only, no ``[N, K]`` or
     ``[N, K, D]`` temporaries).  Double backward is not supported.
     """
-    return torch.ops.fused_ops.importance_sampling.default(
-        samples, mix_weights, mix_mus, mix_stds, q_mu, q_std
+    return _call_op(
+        torch.ops.fused_ops.importance_sampling.default,
+        (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std),
     )
 
 
@@ -87,8 +115,9 @@ def _importance_sampling_setup_context(ctx, inputs, output):
 
 
 def _importance_sampling_backward(ctx, grad_mean, grad_ess, grad_log_weights):
-    return torch.ops.fused_ops.importance_sampling_backward.default(
-        grad_mean, grad_ess, grad_log_weights, *ctx.saved_tensors
+    return _call_op(
+        torch.ops.fused_ops.importance_sampling_backward.default,
+        (grad_mean, grad_ess, grad_log_weights, *ctx.saved_tensors),
     )
 
 
@@ -132,10 +161,11 @@ def importance_sampling_backward(
 
     Not differentiable itself: double backward raises a ``RuntimeError``.
     """
-    return torch.ops.fused_ops.importance_sampling_backward.default(
-        grad_weighted_mean, grad_ess, grad_log_weights,
-        samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
-        weighted_mean, log_weights,
+    return _call_op(
+        torch.ops.fused_ops.importance_sampling_backward.default,
+        (grad_weighted_mean, grad_ess, grad_log_weights,
+         samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+         weighted_mean, log_weights),
     )
 
 
@@ -203,7 +233,7 @@ def flow_euler(
     plus ``O(B * H)``, or ``O(num_steps * B * H)`` for small problems; see
     there).  Double backward is not supported (a clear error).
     """
-    return torch.ops.fused_ops.flow_euler.default(x0, w1, b1, w2, b2, w3, b3, num_steps)
+    return _call_op(torch.ops.fused_ops.flow_euler.default, (x0, w1, b1, w2, b2, w3, b3), num_steps)
 
 
 @torch.library.register_fake("fused_ops::flow_euler")
@@ -269,7 +299,7 @@ def flow_euler_backward(
     reproducible for the same inputs on the same device.
     Not differentiable itself: double backward raises an error.
     """
-    return torch.ops.fused_ops.flow_euler_backward.default(grad_x, x0, w1, b1, w2, b2, w3, b3, num_steps)
+    return _call_op(torch.ops.fused_ops.flow_euler_backward.default, (grad_x, x0, w1, b1, w2, b2, w3, b3), num_steps)
 
 
 @torch.library.register_fake("fused_ops::flow_euler_backward")
@@ -287,8 +317,8 @@ _forbid_double_backward("flow_euler", "fused_ops.reference.flow_euler")
 
 def _flow_euler_backward(ctx, grad_x):
     x0, w1, b1, w2, b2, w3, b3 = ctx.saved_tensors
-    grads = torch.ops.fused_ops.flow_euler_backward.default(
-        grad_x, x0, w1, b1, w2, b2, w3, b3, ctx.num_steps
+    grads = _call_op(
+        torch.ops.fused_ops.flow_euler_backward.default, (grad_x, x0, w1, b1, w2, b2, w3, b3), ctx.num_steps
     )
     return (*grads, None)
 
@@ -359,10 +389,10 @@ def vae_elbo(
     backward is not supported (a RuntimeError).
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
-    if torch.is_grad_enabled() and x.device.type == "cpu" and any(t.requires_grad for t in args):
+    if x.device.type == "cpu" and _needs_grad(args):
         elbo, recon, kl, _ = torch.ops.fused_ops.vae_elbo_train.default(*args)
         return elbo, recon, kl
-    return torch.ops.fused_ops.vae_elbo.default(*args)
+    return _call_op(torch.ops.fused_ops.vae_elbo.default, args)
 
 
 @torch.library.register_fake("fused_ops::vae_elbo")
@@ -420,8 +450,8 @@ def _vae_elbo_backward(ctx, grad_elbo, grad_recon, grad_kl):
     (elementwise epilogues, all bias gradients in one fixed-order column-sum
     launch).  No atomics anywhere: both devices are deterministic.
     """
-    return torch.ops.fused_ops.vae_elbo_backward.default(
-        grad_elbo, grad_recon, grad_kl, *ctx.saved_tensors
+    return _call_op(
+        torch.ops.fused_ops.vae_elbo_backward.default, (grad_elbo, grad_recon, grad_kl, *ctx.saved_tensors)
     )
 
 
@@ -461,8 +491,10 @@ def _vae_elbo_train_backward(ctx, grad_elbo, grad_recon, grad_kl, _grad_saved):
     elements (784-256-32 at B=128 in float32: 0.7 MB), alive from forward to
     backward."""
     *inputs, saved = ctx.saved_tensors
-    grads = torch.ops.fused_ops.vae_elbo_train_backward.default(
-        grad_elbo, grad_recon, grad_kl, *inputs, saved, ctx.needs_input_grad[0]
+    grads = _call_op(
+        torch.ops.fused_ops.vae_elbo_train_backward.default,
+        (grad_elbo, grad_recon, grad_kl, *inputs, saved),
+        ctx.needs_input_grad[0],
     )
     return (grads[0] if ctx.needs_input_grad[0] else None, *grads[1:])
 
