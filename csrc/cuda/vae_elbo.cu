@@ -46,6 +46,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <tuple>
 
 #include "cuda/reductions.cuh"
@@ -61,6 +62,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / cuda::kWarpSize;
 constexpr int kRows = 16;  // samples per cluster tile (the reduction below assumes 16)
+constexpr int kMaxCluster = 16;  // CTAs per cluster: 16 where the GPU allows it, else 8
 [[maybe_unused]] constexpr int kNB = 4;     // neurons per warp pass (an even number: reduced in pairs)
 constexpr size_t kMaxClusterSmem = 200 * 1024;
 constexpr int64_t kTiledMinBatch = 2048;
@@ -135,71 +137,128 @@ __device__ __forceinline__ void reduce_step(float (&a)[kRows], float (&b)[kRows]
   return keep + __shfl_xor_sync(cuda::kFullMask, send, 1);
 }
 
-// out(r, n) = dot(in[r, 0:K], row(n)[0:K]) for the kRows rows of `in` (shared
-// memory, row stride K) and local neurons n < count, handed to epi(r, n, v).
-// Warps take kNB neurons at a time; lanes split K (float4 steps when VEC), so
-// a warp reads each weight row once, coalesced, and applies it to all rows.
-template <bool VEC, typename RowFn, typename Epi>
-__device__ __forceinline__ void warp_linear(const float* in, int K, int count, RowFn row, Epi epi) {
-  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
-  for (int g = warp * kNB; g < count; g += kWarps * kNB) {
-    float acc[kNB][kRows];
+// Dot products of the kRows rows of `in` (shared memory, row stride K) with
+// the kNB weight rows row(g + j), j < kNB, over the float4 columns [k0, k1)
+// (VEC; element columns otherwise) split among the lanes, so a warp reads each
+// weight row once, coalesced, and applies it to all rows.  Afterwards lane l
+// holds out[j / 2] = the dot product of row l >> 1 with weight row
+// g + j + (l & 1), for j = 0, 2, ... (rows past `count` read a valid row; the
+// caller drops their results).
+template <bool VEC, typename RowFn>
+__device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1, int g, int count,
+                                          RowFn row, float (&out)[kNB / 2]) {
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  float acc[kNB][kRows];
 #pragma unroll
-    for (int j = 0; j < kNB; ++j)
+  for (int j = 0; j < kNB; ++j)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[j][r] = 0.0f;
-    const float* w[kNB];
+    for (int r = 0; r < kRows; ++r) acc[j][r] = 0.0f;
+  const float* w[kNB];
 #pragma unroll
-    for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));  // tail: a valid row, result dropped
-    if constexpr (VEC) {
-      const int K4 = K / 4;
-      // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
-      // instead of two, and a GPC could then hold only one 16-CTA cluster.
+  for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));
+  if constexpr (VEC) {
+    // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
+    // instead of two, and a GPC could then hold only one 16-CTA cluster.
 #pragma unroll 1
-      for (int k = lane; k < K4; k += cuda::kWarpSize) {
-        float4 wv[kNB];
+    for (int k = k0 + lane; k < k1; k += cuda::kWarpSize) {
+      float4 wv[kNB];
 #pragma unroll
-        for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
+      for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
+      for (int r = 0; r < kRows; ++r) {
+        const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
 #pragma unroll
-          for (int j = 0; j < kNB; ++j) {
-            float s = acc[j][r];
-            s = fmaf(wv[j].x, xv.x, s);
-            s = fmaf(wv[j].y, xv.y, s);
-            s = fmaf(wv[j].z, xv.z, s);
-            acc[j][r] = fmaf(wv[j].w, xv.w, s);
-          }
-        }
-      }
-    } else {
-#pragma unroll 2
-      for (int k = lane; k < K; k += cuda::kWarpSize) {
-        float wv[kNB];
-#pragma unroll
-        for (int j = 0; j < kNB; ++j) wv[j] = __ldg(w[j] + k);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float xv = in[r * K + k];
-#pragma unroll
-          for (int j = 0; j < kNB; ++j) acc[j][r] = fmaf(wv[j], xv, acc[j][r]);
+        for (int j = 0; j < kNB; ++j) {
+          float s = acc[j][r];
+          s = fmaf(wv[j].x, xv.x, s);
+          s = fmaf(wv[j].y, xv.y, s);
+          s = fmaf(wv[j].z, xv.z, s);
+          acc[j][r] = fmaf(wv[j].w, xv.w, s);
         }
       }
     }
+  } else {
+#pragma unroll 2
+    for (int k = k0 + lane; k < k1; k += cuda::kWarpSize) {
+      float wv[kNB];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) wv[j] = __ldg(w[j] + k);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float xv = in[r * K + k];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) acc[j][r] = fmaf(wv[j], xv, acc[j][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kNB; j += 2) out[j / 2] = reduce_pair(acc[j], acc[j + 1], lane);
+}
+
+// out(r, n) = dot(in[r, 0:K], row(n)[0:K]) for the kRows rows of `in` and
+// local neurons n < count, handed to epi(r, n, v) by the lane that holds it
+// (lane (r << 1) | (n & 1) of some warp: the decoder's BCE sums rely on it).
+// Warps take kNB neurons at a time over the whole of K.
+template <bool VEC, typename RowFn, typename Epi>
+__device__ __forceinline__ void warp_linear(const float* in, int K, int count, RowFn row, Epi epi) {
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  const int kcols = VEC ? K / 4 : K;
+  for (int g = warp * kNB; g < count; g += kWarps * kNB) {
+    float v[kNB / 2];
+    warp_dots<VEC>(in, K, 0, kcols, g, count, row, v);
 #pragma unroll
     for (int j = 0; j < kNB; j += 2) {
-      const float v = reduce_pair(acc[j], acc[j + 1], lane);
       const int n = g + j + (lane & 1);
-      if (n < count) epi(lane >> 1, n, v);
+      if (n < count) epi(lane >> 1, n, v[j / 2]);
     }
   }
 }
 
+// The same product for layers with fewer than kWarps * kNB neurons per CTA
+// (the encoder's 16, mu/logvar's 4, the decoder's first layer's 16 at
+// 784-256-32 in 16-CTA clusters): warp_linear would leave warps idle while
+// the others run the whole of K.  Here the neuron groups' K is cut into
+// `split` segments, one warp each; the segments' sums meet in `partial`
+// (split * kRows * count floats) and are added in segment order (fixed:
+// bitwise reproducible), then epi(r, n, v) runs on any thread.  Contains a
+// block barrier (unless there are kWarps groups or more, when it is
+// warp_linear): every thread of the CTA must call it.
+template <bool VEC, typename RowFn, typename Epi>
+__device__ __forceinline__ void split_linear(const float* in, int K, int count, RowFn row, Epi epi,
+                                             float* partial) {
+  const int groups = (count + kNB - 1) / kNB;
+  if (groups >= kWarps) {  // enough neuron groups to keep every warp busy
+    warp_linear<VEC>(in, K, count, row, epi);
+    return;
+  }
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  const int split = kWarps / max(groups, 1);
+  const int kcols = VEC ? K / 4 : K;
+  const int seg = (kcols + split - 1) / split;
+  if (warp < groups * split) {
+    const int g = (warp / split) * kNB, s = warp % split;
+    float v[kNB / 2];
+    warp_dots<VEC>(in, K, min(kcols, s * seg), min(kcols, (s + 1) * seg), g, count, row, v);
+#pragma unroll
+    for (int j = 0; j < kNB; j += 2) {
+      const int n = g + j + (lane & 1);
+      if (n < count) partial[(s * kRows + (lane >> 1)) * count + n] = v[j / 2];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * count; idx += kThreads) {
+    float v = 0.0f;
+    for (int s = 0; s < split; ++s) v += partial[s * kRows * count + idx];
+    epi(idx / count, idx % count, v);
+  }
+}
+
 // Shared-memory layout of the cluster kernel, in floats (each array a
-// multiple of 4 floats so float4 rows stay 16-byte aligned).
+// multiple of 4 floats so float4 rows stay 16-byte aligned).  `partial` is
+// split_linear's scratch; rall / klall collect every CTA's per-row partial
+// sums of the BCE and KL terms in rank 0 (pushed there; kMaxCluster ranks).
 struct ClusterLayout {
-  int xs, hs, zs, gs, mu, lv, klpart, rpart, wpart, total;
+  int xs, hs, zs, gs, mu, lv, klpart, wpart, partial, rall, klall, total;
   __host__ __device__ ClusterLayout(int I, int H, int L) {
     auto up4 = [](int n) { return (n + 3) / 4 * 4; };
     xs = 0;
@@ -209,21 +268,45 @@ struct ClusterLayout {
     mu = gs + up4(kRows * H);
     lv = mu + up4(kRows * L);
     klpart = lv + up4(kRows * L);
-    rpart = klpart + kRows;
-    wpart = rpart + kRows;
-    total = wpart + kWarps * kRows;
+    wpart = klpart + kRows;
+    partial = wpart + kWarps * kRows;
+    rall = partial + kWarps * kNB * kRows;
+    klall = rall + kMaxCluster * kRows;
+    total = klall + kMaxCluster * kRows;
   }
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Copies the other CTAs' slices of buf [kRows, N] (CTA p owns the columns
-// slice_of(N, C, p)) from their shared memory into this CTA's copy.
-__device__ __forceinline__ void gather_slices(cg::cluster_group& cluster, float* buf, int N, int C,
-                                              int rank) {
-  const int per = (N + C - 1) / C;
-  for (int idx = threadIdx.x; idx < kRows * N; idx += kThreads) {
-    const int owner = (idx % N) / per;
-    if (owner != rank) buf[idx] = cluster.map_shared_rank(buf, owner)[idx];
+// Pushes this CTA's columns [s.begin, s.end) of buf [kRows, N] (row stride N)
+// into the other CTAs' copies of buf, as float4 runs where the columns allow
+// (distributed shared memory traffic is per transaction: one float4 store
+// costs about what one float store does; flow_euler.cu measures it).  Stores
+// need no reply, so a push costs the issue of the stores, where gathering the
+// slices with remote loads waited on each load's round trip (run 1 of the
+// seventh session: ~16% of the kernel's stall samples).  The caller's cluster
+// barrier publishes the pushes.
+__device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* buf, int N, Slice s,
+                                           int C, int rank) {
+  const int n = s.end - s.begin;
+  if (n <= 0) return;
+  float* const src = buf + s.begin;
+  if (N % 4 == 0 && s.begin % 4 == 0 && n % 4 == 0) {
+    const int n4 = n / 4, per_dst = kRows * n4;
+    for (int idx = threadIdx.x; idx < (C - 1) * per_dst; idx += kThreads) {
+      const int d = idx / per_dst, rest = idx - d * per_dst;
+      const int r = rest / n4, q = rest - r * n4;
+      const int dst = d + (d >= rank);
+      const float4 v = reinterpret_cast<const float4*>(src + r * N)[q];
+      reinterpret_cast<float4*>(cluster.map_shared_rank(src + r * N, dst))[q] = v;
+    }
+  } else {
+    const int per_dst = kRows * n;
+    for (int idx = threadIdx.x; idx < (C - 1) * per_dst; idx += kThreads) {
+      const int d = idx / per_dst, rest = idx - d * per_dst;
+      const int r = rest / n, q = rest - r * n;
+      const int dst = d + (d >= rank);
+      *cluster.map_shared_rank(src + r * N + q, dst) = src[r * N + q];
+    }
   }
 }
 #endif
@@ -244,9 +327,15 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   float* mus = smem + lay.mu;
   float* lvs = smem + lay.lv;
   float* klpart = smem + lay.klpart;
-  float* rpart = smem + lay.rpart;
   float* wpart = smem + lay.wpart;
+  float* partial = smem + lay.partial;
+  float* rall = smem + lay.rall;
+  float* klall = smem + lay.klall;
   const int rows = min(kRows, a.B - row0);
+  // "This CTA runs": no CTA may store into another's shared memory before
+  // that one has started.  Waited for just before the first push, so the
+  // barrier's latency hides behind the x load and the encoder.
+  auto started = cluster.barrier_arrive();
 
   // x tile; rows past the batch are zero (their results are never stored).
   if constexpr (VEC) {
@@ -264,20 +353,22 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   }
   __syncthreads();
 
-  // 1. h = relu(x W_enc^T + b_enc), this CTA's slice of H.
+  // 1. h = relu(x W_enc^T + b_enc), this CTA's slice of H, pushed to all.
   const Slice sh = slice_of(H, C, rank);
-  warp_linear<VEC>(
+  split_linear<VEC>(
       xs, I, sh.end - sh.begin, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; },
-      [&](int r, int n, float v) { hs[r * H + sh.begin + n] = relu(v + __ldg(a.b_enc + sh.begin + n)); });
-  cluster.sync();
-  gather_slices(cluster, hs, H, C, rank);
+      [&](int r, int n, float v) { hs[r * H + sh.begin + n] = relu(v + __ldg(a.b_enc + sh.begin + n)); },
+      partial);
   __syncthreads();
+  cluster.barrier_wait(std::move(started));
+  push_slice(cluster, hs, H, sh, C, rank);
+  cluster.sync();
 
   // 2. mu and logvar for this CTA's slice of L (mu rows first, then logvar
-  //    rows, as one list of neurons), then z and the KL terms.
+  //    rows, as one list of neurons), then z (pushed to all) and the KL terms.
   const Slice sl = slice_of(L, C, rank);
   const int nl = sl.end - sl.begin;
-  warp_linear<VEC>(
+  split_linear<VEC>(
       hs, H, 2 * nl,
       [&](int n) {
         return n < nl ? a.w_mu + size_t(sl.begin + n) * H : a.w_lv + size_t(sl.begin + n - nl) * H;
@@ -288,7 +379,8 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
         } else {
           lvs[r * L + sl.begin + n - nl] = v + __ldg(a.b_lv + sl.begin + n - nl);
         }
-      });
+      },
+      partial);
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * nl; idx += kThreads) {
     const int r = idx / nl, l = sl.begin + idx % nl;
@@ -303,17 +395,18 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     for (int l = sl.begin; l < sl.end; ++l) s += mus[threadIdx.x * L + l];
     klpart[threadIdx.x] = s;
   }
+  push_slice(cluster, zs, L, sl, C, rank);
   cluster.sync();
-  gather_slices(cluster, zs, L, C, rank);
-  __syncthreads();
 
-  // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice of H.
-  warp_linear<VEC>(
+  // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice
+  //    of H, pushed to all.
+  split_linear<VEC>(
       zs, L, sh.end - sh.begin, [&](int n) { return a.w_d1 + size_t(sh.begin + n) * L; },
-      [&](int r, int n, float v) { gs[r * H + sh.begin + n] = relu(v + __ldg(a.b_d1 + sh.begin + n)); });
-  cluster.sync();
-  gather_slices(cluster, gs, H, C, rank);
+      [&](int r, int n, float v) { gs[r * H + sh.begin + n] = relu(v + __ldg(a.b_d1 + sh.begin + n)); },
+      partial);
   __syncthreads();
+  push_slice(cluster, gs, H, sh, C, rank);
+  cluster.sync();
 
   // 4. Decoder logits for this CTA's slice of I, straight into the BCE sums.
   //    Each lane sums the terms of its row (lane >> 1) in a fixed order.
@@ -331,19 +424,22 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     if ((lane & 1) == 0) wpart[warp * kRows + (lane >> 1)] = tot;
   }
   __syncthreads();
+  // This CTA's per-row sums, pushed into rank 0's rall / klall at this rank's row.
   if (threadIdx.x < kRows) {
     float s = 0.0f;
     for (int w = 0; w < kWarps; ++w) s += wpart[w * kRows + threadIdx.x];
-    rpart[threadIdx.x] = s;
+    cluster.map_shared_rank(rall, 0)[rank * kRows + threadIdx.x] = s;
+    cluster.map_shared_rank(klall, 0)[rank * kRows + threadIdx.x] = klpart[threadIdx.x];
   }
   cluster.sync();
 
-  // 5. Rank 0 adds the CTAs' partial row sums in rank order.
+  // 5. Rank 0 adds the CTAs' partial row sums in rank order, from its own
+  //    shared memory: after the barrier above no CTA touches another's.
   if (rank == 0 && int(threadIdx.x) < rows) {
     float recon = 0.0f, kl_sum = 0.0f;
     for (int p = 0; p < C; ++p) {
-      recon += cluster.map_shared_rank(rpart, p)[threadIdx.x];
-      kl_sum += cluster.map_shared_rank(klpart, p)[threadIdx.x];
+      recon += rall[p * kRows + threadIdx.x];
+      kl_sum += klall[p * kRows + threadIdx.x];
     }
     const float kl = -0.5f * kl_sum;
     const int row = row0 + threadIdx.x;
@@ -351,7 +447,6 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     a.kl[row] = kl;
     a.elbo[row] = -(recon + kl);
   }
-  cluster.sync();  // keep every CTA's shared memory alive until rank 0 has read it
 #else
   __trap();  // launched only on compute capability >= 9.0
 #endif
