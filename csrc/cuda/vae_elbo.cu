@@ -137,25 +137,31 @@ __device__ __forceinline__ void reduce_step(float (&a)[kRows], float (&b)[kRows]
   return keep + __shfl_xor_sync(cuda::kFullMask, send, 1);
 }
 
+// The kNB weight rows a warp applies at once.
+struct WeightRows {
+  const float* w[kNB];
+};
+
 // Dot products of the kRows rows of `in` (shared memory, row stride K) with
-// the kNB weight rows row(g + j), j < kNB, over the float4 columns [k0, k1)
-// (VEC; element columns otherwise) split among the lanes, so a warp reads each
-// weight row once, coalesced, and applies it to all rows.  Afterwards lane l
-// holds out[j / 2] = the dot product of row l >> 1 with weight row
-// g + j + (l & 1), for j = 0, 2, ... (rows past `count` read a valid row; the
-// caller drops their results).
-template <bool VEC, typename RowFn>
-__device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1, int g, int count,
-                                          RowFn row, float (&out)[kNB / 2]) {
+// the kNB weight rows w.w[j] over the float4 columns [k0, k1) (VEC; element
+// columns otherwise) split among the lanes, so a warp reads each weight row
+// once, coalesced, and applies it to all rows.  Returns, in lane l, the dot
+// products of row l >> 1 with weight rows (l & 1) (.x) and 2 + (l & 1) (.y).
+// Not inlined: the unrolled body is ~500 instructions, and one inlined copy
+// per layer made the kernel's code outgrow the instruction caches (run 2 of
+// the seventh session: a third of the stall samples were "no instruction").
+// One shared copy stays cached from layer to layer.
+template <bool VEC>
+__device__ __noinline__ float2 warp_dots(const float* in, int K, int k0, int k1, WeightRows rows) {
+  static_assert(kNB == 4, "two reduce_pair results per lane");
   const int lane = threadIdx.x % cuda::kWarpSize;
   float acc[kNB][kRows];
 #pragma unroll
   for (int j = 0; j < kNB; ++j)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[j][r] = 0.0f;
-  const float* w[kNB];
-#pragma unroll
-  for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));
+  const float* const* w = rows.w;
+  __builtin_assume(__isShared(in));  // shared-memory loads, not generic ones, in this out-of-line body
   if constexpr (VEC) {
     // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
     // instead of two, and a GPC could then hold only one 16-CTA cluster.
@@ -191,8 +197,18 @@ __device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1
       }
     }
   }
+  const float v0 = reduce_pair(acc[0], acc[1], lane);
+  return make_float2(v0, reduce_pair(acc[2], acc[3], lane));
+}
+
+// The weight rows row(g + j), j < kNB (past `count`: a valid row, whose
+// results the caller drops).
+template <typename RowFn>
+__device__ __forceinline__ WeightRows weight_rows(RowFn row, int g, int count) {
+  WeightRows w;
 #pragma unroll
-  for (int j = 0; j < kNB; j += 2) out[j / 2] = reduce_pair(acc[j], acc[j + 1], lane);
+  for (int j = 0; j < kNB; ++j) w.w[j] = row(min(g + j, count - 1));
+  return w;
 }
 
 // out(r, n) = dot(in[r, 0:K], row(n)[0:K]) for the kRows rows of `in` and
@@ -204,13 +220,10 @@ __device__ __forceinline__ void warp_linear(const float* in, int K, int count, R
   const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
   const int kcols = VEC ? K / 4 : K;
   for (int g = warp * kNB; g < count; g += kWarps * kNB) {
-    float v[kNB / 2];
-    warp_dots<VEC>(in, K, 0, kcols, g, count, row, v);
-#pragma unroll
-    for (int j = 0; j < kNB; j += 2) {
-      const int n = g + j + (lane & 1);
-      if (n < count) epi(lane >> 1, n, v[j / 2]);
-    }
+    const float2 v = warp_dots<VEC>(in, K, 0, kcols, weight_rows(row, g, count));
+    const int n = g + (lane & 1);
+    if (n < count) epi(lane >> 1, n, v.x);
+    if (n + 2 < count) epi(lane >> 1, n + 2, v.y);
   }
 }
 
@@ -237,13 +250,12 @@ __device__ __forceinline__ void split_linear(const float* in, int K, int count, 
   const int seg = (kcols + split - 1) / split;
   if (warp < groups * split) {
     const int g = (warp / split) * kNB, s = warp % split;
-    float v[kNB / 2];
-    warp_dots<VEC>(in, K, min(kcols, s * seg), min(kcols, (s + 1) * seg), g, count, row, v);
-#pragma unroll
-    for (int j = 0; j < kNB; j += 2) {
-      const int n = g + j + (lane & 1);
-      if (n < count) partial[(s * kRows + (lane >> 1)) * count + n] = v[j / 2];
-    }
+    const float2 v = warp_dots<VEC>(in, K, min(kcols, s * seg), min(kcols, (s + 1) * seg),
+                                    weight_rows(row, g, count));
+    const int n = g + (lane & 1);
+    float* p = partial + (s * kRows + (lane >> 1)) * count;
+    if (n < count) p[n] = v.x;
+    if (n + 2 < count) p[n + 2] = v.y;
   }
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * count; idx += kThreads) {
@@ -312,7 +324,7 @@ __device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* bu
 #endif
 
 template <bool VEC>
-__global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<float> a) {
+__global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Args<float> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) float smem[];
   cg::cluster_group cluster = cg::this_cluster();
