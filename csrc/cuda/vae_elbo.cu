@@ -49,6 +49,7 @@
 #include <utility>
 #include <tuple>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
@@ -147,12 +148,8 @@ struct WeightRows {
 // columns otherwise) split among the lanes, so a warp reads each weight row
 // once, coalesced, and applies it to all rows.  Returns, in lane l, the dot
 // products of row l >> 1 with weight rows (l & 1) (.x) and 2 + (l & 1) (.y).
-// Not inlined: the unrolled body is ~500 instructions, and one inlined copy
-// per layer made the kernel's code outgrow the instruction caches (run 2 of
-// the seventh session: a third of the stall samples were "no instruction").
-// One shared copy stays cached from layer to layer.
 template <bool VEC>
-__device__ __noinline__ float2 warp_dots(const float* in, int K, int k0, int k1, WeightRows rows) {
+__device__ __forceinline__ float2 warp_dots(const float* in, int K, int k0, int k1, WeightRows rows) {
   static_assert(kNB == 4, "two reduce_pair results per lane");
   const int lane = threadIdx.x % cuda::kWarpSize;
   float acc[kNB][kRows];
@@ -163,13 +160,26 @@ __device__ __noinline__ float2 warp_dots(const float* in, int K, int k0, int k1,
   const float* const* w = rows.w;
   __builtin_assume(__isShared(in));  // shared-memory loads, not generic ones, in this out-of-line body
   if constexpr (VEC) {
-    // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
-    // instead of two, and a GPC could then hold only one 16-CTA cluster.
+    // The next step's weights are loaded before this step's products, so
+    // the L2 latency overlaps the arithmetic (a warp runs only one to four
+    // steps per call: nothing else would hide it).  Not unrolled further:
+    // unrolling doubles the registers (~250), one CTA per SM instead of two,
+    // and a GPC could then hold only one 16-CTA cluster.
+    float4 next[kNB];
+    if (k0 + lane < k1) {
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) next[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k0 + lane);
+    }
 #pragma unroll 1
     for (int k = k0 + lane; k < k1; k += cuda::kWarpSize) {
       float4 wv[kNB];
 #pragma unroll
-      for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
+      for (int j = 0; j < kNB; ++j) wv[j] = next[j];
+      if (k + cuda::kWarpSize < k1) {
+#pragma unroll
+        for (int j = 0; j < kNB; ++j)
+          next[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k + cuda::kWarpSize);
+      }
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
@@ -351,13 +361,20 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
 
   // x tile; rows past the batch are zero (their results are never stored).
   if constexpr (VEC) {
+    // Asynchronous copies: all of a thread's ~12 loads in flight at once
+    // (a load-store loop waited on each in turn: run 2 of the seventh
+    // session, 8% of the stall samples).
     const int I4 = I / 4;
+    const float4* src = reinterpret_cast<const float4*>(a.x + size_t(row0) * I);
     for (int idx = threadIdx.x; idx < kRows * I4; idx += kThreads) {
-      const int r = idx / I4;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < rows) v = __ldg(reinterpret_cast<const float4*>(a.x + size_t(row0) * I) + idx);
-      reinterpret_cast<float4*>(xs)[idx] = v;
+      if (idx / I4 < rows) {
+        cuda::cp_async_16(reinterpret_cast<float4*>(xs) + idx, src + idx);
+      } else {
+        reinterpret_cast<float4*>(xs)[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<0>();
   } else {
     for (int idx = threadIdx.x; idx < kRows * I; idx += kThreads) {
       xs[idx] = idx / I < rows ? __ldg(a.x + size_t(row0) * I + idx) : 0.0f;
