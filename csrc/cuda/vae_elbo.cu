@@ -176,7 +176,7 @@ struct PartialSums {
 // fully unrolled 16-row bodies, whose code (one copy per layer) outgrew the
 // instruction caches ("no instruction" stalls, a third of the samples in
 // run 2 of the seventh session); one mma.sync does a 16 x 8 x 8 block.
-template <typename RowFn>
+template <bool VEC, typename RowFn>
 __device__ __forceinline__ PartialSums mma_products(const float* in, int ld_in, int K, int count,
                                                     RowFn row, float* partial, int partial_floats) {
   const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
@@ -187,7 +187,8 @@ __device__ __forceinline__ PartialSums mma_products(const float* in, int ld_in, 
   if (tiles > 0) {
     split = max(1, min(min(kWarps / tiles, partial_floats / (kRows * ld)), ksteps));
   }
-  const int seg = (ksteps + split - 1) / split;
+  int seg = (ksteps + split - 1) / split;
+  if (VEC) seg += seg % 2;  // whole k-step pairs per segment
   for (int u = warp; u < tiles * split; u += kWarps) {
     const int tile = u / split, s = u - tile * split;
     const float* w = row(min(tile * 8 + g, count - 1));
@@ -209,12 +210,31 @@ __device__ __forceinline__ PartialSums mma_products(const float* in, int ld_in, 
     };
     const int kb = s * seg, ke = min(ksteps, kb + seg);
     const int ke_full = min(ke, full);
+    int ks = kb;
+    if constexpr (VEC) {
+      // Pairs of k-steps from one float4 per row and lane: the 16 columns
+      // of a pair are dealt so that lane t owns columns 4t..4t+3, the first
+      // k-step taking 4t, 4t+1 (as its columns t, t+4) and the second 4t+2,
+      // 4t+3.  A dot product does not care in which order its terms are
+      // paired, as long as A and B agree; one 16-byte weight load per pair
+      // instead of four 4-byte ones, and four of them in flight per unrolled
+      // round.  (seg is even here: see split above.)
 #pragma unroll 4
-    for (int ks = kb; ks < ke_full; ++ks) {
+      for (; ks + 1 < ke_full; ks += 2) {
+        const int k = ks * 8 + 4 * t;
+        const float4 lo = *reinterpret_cast<const float4*>(a_lo + k);
+        const float4 hi = *reinterpret_cast<const float4*>(a_hi + k);
+        const float4 b = __ldg(reinterpret_cast<const float4*>(w + k));
+        step(lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+        step(lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+      }
+    }
+#pragma unroll 4
+    for (; ks < ke_full; ++ks) {
       const int k = ks * 8 + t;
       step(a_lo[k], a_hi[k], a_lo[k + 4], a_hi[k + 4], __ldg(w + k), __ldg(w + k + 4));
     }
-    if (ke > full && ke_full == full) {  // the last, partial k-step (K % 8 != 0)
+    if (kb <= full && full < ke) {  // the last, partial k-step (K % 8 != 0)
       const int k = full * 8 + t;
       const bool ok0 = k < K, ok1 = k + 4 < K;
       step(ok0 ? a_lo[k] : 0.f, ok0 ? a_hi[k] : 0.f, ok1 ? a_lo[k + 4] : 0.f, ok1 ? a_hi[k + 4] : 0.f,
@@ -319,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
   const Slice sh = slice_of(H, C, rank);
   const int nh = sh.end - sh.begin;
   {
-    const PartialSums sum = mma_products(
+    const PartialSums sum = mma_products<VEC>(
         xs, ldx, I, nh, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; }, partial,
         lay.partial_floats);
     for (int idx = threadIdx.x; idx < kRows * nh; idx += kThreads) {
@@ -337,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
   const Slice sl = slice_of(L, C, rank);
   const int nl = sl.end - sl.begin;
   {
-    const PartialSums sum = mma_products(
+    const PartialSums sum = mma_products<VEC>(
         hs, ldh, H, 2 * nl,
         [&](int n) {
           return n < nl ? a.w_mu + size_t(sl.begin + n) * H : a.w_lv + size_t(sl.begin + n - nl) * H;
@@ -364,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
   // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice
   //    of H, pushed to all.
   {
-    const PartialSums sum = mma_products(
+    const PartialSums sum = mma_products<VEC>(
         zs, ldz, L, nh, [&](int n) { return a.w_d1 + size_t(sh.begin + n) * L; }, partial,
         lay.partial_floats);
     for (int idx = threadIdx.x; idx < kRows * nh; idx += kThreads) {
@@ -382,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
   const Slice si = slice_of(I, C, rank);
   const int ni = si.end - si.begin;
   {
-    const PartialSums sum = mma_products(
+    const PartialSums sum = mma_products<VEC>(
         gs, ldh, H, ni, [&](int n) { return a.w_d2 + size_t(si.begin + n) * H; }, partial,
         lay.partial_floats);
     static_assert(kThreads == 16 * kRows, "a half warp per row");
