@@ -5,18 +5,17 @@
 // cluster  float32, compute capability >= 9.0, B < kTiledMinBatch (or the tiled
 //          path does not apply) and a 16-row tile's activations fit in shared
 //          memory (kRows * (I + 2H + 3L) floats plus scratch <= kMaxClusterSmem;
-//          784-256-32 needs ~99 KB, two CTAs per SM).  ONE launch.  Each
-//          thread-block cluster (16 CTAs where the GPU allows the non-portable
-//          size, else 8) owns kRows samples; every layer is split across the
-//          cluster's CTAs by neurons, and each CTA pushes its slice of the
-//          activations the next layer needs in full (h, z, the decoder hidden
-//          layer) into the others' shared memory (distributed shared memory
-//          stores, one cluster barrier per layer).  x stays in shared memory
-//          for the BCE, the decoder logits never leave the CTA.  The products
-//          run on tensor cores in 3xTF32 (float32 accuracy), weights read
-//          straight from global memory (L2), each weight once per CTA.  Hit by
-//          the default size (B=128, 784-256-32) and every float32 test size
-//          below 2048 rows.
+//          784-256-32 needs ~90 KB).  ONE launch.  Each thread-block cluster
+//          (16 CTAs where the GPU allows the non-portable size, else 8) owns
+//          kRows samples; every stage is split across the cluster's CTAs by
+//          neurons, and the activations each stage needs in full (h, z, the
+//          decoder hidden layer) are exchanged through distributed shared
+//          memory between cluster barriers.  x stays in shared memory for the
+//          BCE, the decoder logits never leave registers.  Weights are read
+//          straight from global memory (each weight once per CTA), as float4
+//          when I, H, L are multiples of 4 and the pointers are 16-byte
+//          aligned, element by element otherwise.  Hit by the default size
+//          (B=128, 784-256-32) and every float32 test size below 2048 rows.
 // tiled    float32, compute capability >= 8.0, B >= kTiledMinBatch (2048),
 //          H % 8 == 0, H <= 256 and the tile's activations fit in shared
 //          memory (large L).  A packing launch for the weights, then one
@@ -50,7 +49,6 @@
 #include <utility>
 #include <tuple>
 
-#include "cuda/cp_async.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
@@ -65,7 +63,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / cuda::kWarpSize;
 constexpr int kRows = 16;  // samples per cluster tile (the reduction below assumes 16)
 constexpr int kMaxCluster = 16;  // CTAs per cluster: 16 where the GPU allows it, else 8
-constexpr int kMinCluster = 8;
+[[maybe_unused]] constexpr int kNB = 4;     // neurons per warp pass (an even number: reduced in pairs)
 constexpr size_t kMaxClusterSmem = 200 * 1024;
 constexpr int64_t kTiledMinBatch = 2048;
 
@@ -107,171 +105,199 @@ struct Slice {
 // cluster path
 // ---------------------------------------------------------------------------
 
-// Row stride (floats) of a [kRows, n] activation array in shared memory: a
-// multiple of 4 (float4 rows) with stride / 4 odd, so the A-fragment loads
-// of mma_products (lane (g, t) reads row g, column k + t) hit 32 different
-// banks.
-__host__ __device__ __forceinline__ int cluster_ld(int n) {
-  const int ld = (n + 3) / 4 * 4;
-  return (ld / 4) % 2 == 0 ? ld + 4 : ld;
+// Sums a[r] and b[r] (r < 16) over the 32 lanes of the warp: afterwards lane l
+// holds the total of (l & 1 ? b : a)[l >> 1].  A reduce-scatter (each step
+// halves the values a lane keeps) costs 2 * (8 + 4 + 2 + 1) + 1 shuffles
+// instead of 2 * 16 * 5 for two full butterflies; the order is fixed.
+// One reduce-scatter step: lanes whose `offset` bit (offset = 2 * HALF) is set
+// keep the upper HALF values, the others the lower HALF, each plus its
+// partner's copy of them.
+template <int HALF>
+__device__ __forceinline__ void reduce_step(float (&a)[kRows], float (&b)[kRows], int lane) {
+  constexpr int offset = 2 * HALF;
+  const bool up = lane & offset;
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float sa = up ? a[i] : a[i + HALF], ka = up ? a[i + HALF] : a[i];
+    const float sb = up ? b[i] : b[i + HALF], kb = up ? b[i + HALF] : b[i];
+    a[i] = ka + __shfl_xor_sync(cuda::kFullMask, sa, offset);
+    b[i] = kb + __shfl_xor_sync(cuda::kFullMask, sb, offset);
+  }
+}
+
+[[maybe_unused]] __device__ __forceinline__ float reduce_pair(float (&a)[kRows], float (&b)[kRows], int lane) {
+  static_assert(kRows == 16, "the reduce-scatter below is written for 16 rows");
+  reduce_step<8>(a, b, lane);  // offset 16
+  reduce_step<4>(a, b, lane);  // offset 8
+  reduce_step<2>(a, b, lane);  // offset 4
+  reduce_step<1>(a, b, lane);  // offset 2
+  // Now a[0] / b[0] hold row (lane >> 1): bits 4..1 of the lane chose the halves.
+  const bool odd = lane & 1;
+  const float send = odd ? a[0] : b[0], keep = odd ? b[0] : a[0];
+  return keep + __shfl_xor_sync(cuda::kFullMask, send, 1);
+}
+
+// Dot products of the kRows rows of `in` (shared memory, row stride K) with
+// the kNB weight rows row(g + j), j < kNB, over the float4 columns [k0, k1)
+// (VEC; element columns otherwise) split among the lanes, so a warp reads each
+// weight row once, coalesced, and applies it to all rows.  Afterwards lane l
+// holds out[j / 2] = the dot product of row l >> 1 with weight row
+// g + j + (l & 1), for j = 0, 2, ... (rows past `count` read a valid row; the
+// caller drops their results).
+template <bool VEC, typename RowFn>
+__device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1, int g, int count,
+                                          RowFn row, float (&out)[kNB / 2]) {
+  const int lane = threadIdx.x % cuda::kWarpSize;
+  float acc[kNB][kRows];
+#pragma unroll
+  for (int j = 0; j < kNB; ++j)
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[j][r] = 0.0f;
+  const float* w[kNB];
+#pragma unroll
+  for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));
+  if constexpr (VEC) {
+    // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
+    // instead of two, and a GPC could then hold only one 16-CTA cluster.
+#pragma unroll 1
+    for (int k = k0 + lane; k < k1; k += cuda::kWarpSize) {
+      float4 wv[kNB];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) {
+          float s = acc[j][r];
+          s = fmaf(wv[j].x, xv.x, s);
+          s = fmaf(wv[j].y, xv.y, s);
+          s = fmaf(wv[j].z, xv.z, s);
+          acc[j][r] = fmaf(wv[j].w, xv.w, s);
+        }
+      }
+    }
+  } else {
+#pragma unroll 2
+    for (int k = k0 + lane; k < k1; k += cuda::kWarpSize) {
+      float wv[kNB];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) wv[j] = __ldg(w[j] + k);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float xv = in[r * K + k];
+#pragma unroll
+        for (int j = 0; j < kNB; ++j) acc[j][r] = fmaf(wv[j], xv, acc[j][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kNB; j += 2) out[j / 2] = reduce_pair(acc[j], acc[j + 1], lane);
+}
+
+// out(r, n) = dot(in[r, 0:K], row(n)[0:K]) for the kRows rows of `in` and
+// local neurons n < count, handed to epi(r, n, v) by the lane that holds it
+// (lane (r << 1) | (n & 1) of some warp: the decoder's BCE sums rely on it).
+// Warps take kNB neurons at a time over the whole of K.
+template <bool VEC, typename RowFn, typename Epi>
+__device__ __forceinline__ void warp_linear(const float* in, int K, int count, RowFn row, Epi epi) {
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  const int kcols = VEC ? K / 4 : K;
+  for (int g = warp * kNB; g < count; g += kWarps * kNB) {
+    float v[kNB / 2];
+    warp_dots<VEC>(in, K, 0, kcols, g, count, row, v);
+#pragma unroll
+    for (int j = 0; j < kNB; j += 2) {
+      const int n = g + j + (lane & 1);
+      if (n < count) epi(lane >> 1, n, v[j / 2]);
+    }
+  }
+}
+
+// The same product for layers with fewer than kWarps * kNB neurons per CTA
+// (the encoder's 16, mu/logvar's 4, the decoder's first layer's 16 at
+// 784-256-32 in 16-CTA clusters): warp_linear would leave warps idle while
+// the others run the whole of K.  Here the neuron groups' K is cut into
+// `split` segments, one warp each; the segments' sums meet in `partial`
+// (split * kRows * count floats) and are added in segment order (fixed:
+// bitwise reproducible), then epi(r, n, v) runs on any thread.  Contains a
+// block barrier (unless there are kWarps groups or more, when it is
+// warp_linear): every thread of the CTA must call it.
+template <bool VEC, typename RowFn, typename Epi>
+__device__ __forceinline__ void split_linear(const float* in, int K, int count, RowFn row, Epi epi,
+                                             float* partial) {
+  const int groups = (count + kNB - 1) / kNB;
+  if (groups >= kWarps) {  // enough neuron groups to keep every warp busy
+    warp_linear<VEC>(in, K, count, row, epi);
+    return;
+  }
+  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+  const int split = kWarps / max(groups, 1);
+  const int kcols = VEC ? K / 4 : K;
+  const int seg = (kcols + split - 1) / split;
+  if (warp < groups * split) {
+    const int g = (warp / split) * kNB, s = warp % split;
+    float v[kNB / 2];
+    warp_dots<VEC>(in, K, min(kcols, s * seg), min(kcols, (s + 1) * seg), g, count, row, v);
+#pragma unroll
+    for (int j = 0; j < kNB; j += 2) {
+      const int n = g + j + (lane & 1);
+      if (n < count) partial[(s * kRows + (lane >> 1)) * count + n] = v[j / 2];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * count; idx += kThreads) {
+    float v = 0.0f;
+    for (int s = 0; s < split; ++s) v += partial[s * kRows * count + idx];
+    epi(idx / count, idx % count, v);
+  }
 }
 
 // Shared-memory layout of the cluster kernel, in floats (each array a
-// multiple of 4 floats so float4 rows stay 16-byte aligned).  `partial`
-// holds mma_products' per-warp sums: kRows rows x the layer's 8-neuron tiles
-// x K segments, sized for the widest layer slice of an 8-CTA cluster (the
-// smallest cluster the path runs) and at least kWarps tiles' worth.  rall /
-// klall collect every CTA's per-row partial sums of the BCE and KL terms in
-// rank 0 (pushed there; kMaxCluster ranks).
+// multiple of 4 floats so float4 rows stay 16-byte aligned).  `partial` is
+// split_linear's scratch; rall / klall collect every CTA's per-row partial
+// sums of the BCE and KL terms in rank 0 (pushed there; kMaxCluster ranks).
 struct ClusterLayout {
-  int ldx, ldh, ldz, xs, hs, zs, gs, mu, lv, klpart, partial, partial_floats, rall, klall, total;
+  int xs, hs, zs, gs, mu, lv, klpart, wpart, partial, rall, klall, total;
   __host__ __device__ ClusterLayout(int I, int H, int L) {
     auto up4 = [](int n) { return (n + 3) / 4 * 4; };
-    ldx = cluster_ld(I);
-    ldh = cluster_ld(H);
-    ldz = cluster_ld(L);
     xs = 0;
-    hs = xs + kRows * ldx;
-    zs = hs + kRows * ldh;
-    gs = zs + kRows * ldz;
-    mu = gs + kRows * ldh;
+    hs = xs + up4(kRows * I);
+    zs = hs + up4(kRows * H);
+    gs = zs + up4(kRows * L);
+    mu = gs + up4(kRows * H);
     lv = mu + up4(kRows * L);
     klpart = lv + up4(kRows * L);
-    partial = klpart + kRows;
-    const int widest = max(max(I, H), 2 * L);
-    const int tiles = ((widest + kMinCluster - 1) / kMinCluster + 7) / 8;
-    partial_floats = kRows * 8 * max(tiles, kWarps);
-    rall = partial + partial_floats;
+    wpart = klpart + kRows;
+    partial = wpart + kWarps * kRows;
+    rall = partial + kWarps * kNB * kRows;
     klall = rall + kMaxCluster * kRows;
     total = klall + kMaxCluster * kRows;
   }
 };
 
-// Per-(row, neuron) sums of mma_products' K segments, in segment order.
-struct PartialSums {
-  const float* p;
-  int split, ld;  // segments; floats per segment row (8 x tiles)
-  __device__ __forceinline__ float operator()(int r, int n) const {
-    float v = 0.0f;
-    for (int s = 0; s < split; ++s) v += p[(s * kRows + r) * ld + n];
-    return v;
-  }
-};
-
-// out(r, n) = dot(in[r, 0:K], row(n)[0:K]) for the kRows rows of `in`
-// (shared memory, row stride ld_in) and local neurons n < count, on tensor
-// cores in 3xTF32 (cuda/tf32x3.cuh: float32 accuracy): one m16n8k8 tile per 8
-// neurons, its K cut into segments so that the few tiles of a CTA's slice
-// (2 in the encoder at 784-256-32, 1 for mu/logvar) still keep every warp
-// busy.  Each (tile, segment) is one warp's, summed into `partial`; the
-// returned accessor adds the segments in a fixed order (bitwise
-// reproducible).  Weights are read straight from global memory (L2): lane
-// (g, t) reads row n0 + g at columns k + t and k + 4 + t, eight rows x 16
-// bytes per load, whole 32-byte sectors over two k-steps.  Neurons past
-// `count` read row count - 1 and are dropped.  Ends with a block barrier:
-// every thread of the CTA must call it.
-//
-// Why tensor cores at 16 rows: the float32 FMA version (a warp per 4
-// neurons, lanes splitting K) ran ~60% of the kernel's instructions in its
-// fully unrolled 16-row bodies, whose code (one copy per layer) outgrew the
-// instruction caches ("no instruction" stalls, a third of the samples in
-// run 2 of the seventh session); one mma.sync does a 16 x 8 x 8 block.
-template <bool VEC, typename RowFn>
-__device__ __forceinline__ PartialSums mma_products(const float* in, int ld_in, int K, int count,
-                                                    RowFn row, float* partial, int partial_floats) {
-  const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
-  const int g = lane / 4, t = lane % 4;
-  const int tiles = (count + 7) / 8, ld = 8 * tiles;
-  const int ksteps = (K + 7) / 8, full = K / 8;
-  int split = 1;
-  if (tiles > 0) {
-    split = max(1, min(min(kWarps / tiles, partial_floats / (kRows * ld)), ksteps));
-  }
-  int seg = (ksteps + split - 1) / split;
-  if (VEC) seg += seg % 2;  // whole k-step pairs per segment
-  for (int u = warp; u < tiles * split; u += kWarps) {
-    const int tile = u / split, s = u - tile * split;
-    const float* w = row(min(tile * 8 + g, count - 1));
-    const float* a_lo = in + g * ld_in;
-    const float* a_hi = in + (g + 8) * ld_in;
-    // Two accumulators: the small-part products and the big one, so each
-    // k-step's mma.sync chain is two long, not three.
-    float c_small[4] = {0.f, 0.f, 0.f, 0.f}, c_big[4] = {0.f, 0.f, 0.f, 0.f};
-    auto step = [&](float a0, float a1, float a2, float a3, float b0, float b1) {
-      const cuda::SplitTf32 sa0 = cuda::split_tf32(a0), sa1 = cuda::split_tf32(a1),
-                           sa2 = cuda::split_tf32(a2), sa3 = cuda::split_tf32(a3);
-      const cuda::SplitTf32 sb0 = cuda::split_tf32(b0), sb1 = cuda::split_tf32(b1);
-      const uint32_t ab[4] = {sa0.big, sa1.big, sa2.big, sa3.big};
-      const uint32_t as[4] = {sa0.small, sa1.small, sa2.small, sa3.small};
-      const uint32_t bb[2] = {sb0.big, sb1.big}, bs[2] = {sb0.small, sb1.small};
-      cuda::mma_tf32_m16n8k8(c_small, as, bb);
-      cuda::mma_tf32_m16n8k8(c_small, ab, bs);
-      cuda::mma_tf32_m16n8k8(c_big, ab, bb);
-    };
-    const int kb = s * seg, ke = min(ksteps, kb + seg);
-    const int ke_full = min(ke, full);
-    int ks = kb;
-    if constexpr (VEC) {
-      // Pairs of k-steps from one float4 per row and lane: the 16 columns
-      // of a pair are dealt so that lane t owns columns 4t..4t+3, the first
-      // k-step taking 4t, 4t+1 (as its columns t, t+4) and the second 4t+2,
-      // 4t+3.  A dot product does not care in which order its terms are
-      // paired, as long as A and B agree; one 16-byte weight load per pair
-      // instead of four 4-byte ones, and four of them in flight per unrolled
-      // round.  (seg is even here: see split above.)
-#pragma unroll 4
-      for (; ks + 1 < ke_full; ks += 2) {
-        const int k = ks * 8 + 4 * t;
-        const float4 lo = *reinterpret_cast<const float4*>(a_lo + k);
-        const float4 hi = *reinterpret_cast<const float4*>(a_hi + k);
-        const float4 b = __ldg(reinterpret_cast<const float4*>(w + k));
-        step(lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-        step(lo.z, hi.z, lo.w, hi.w, b.z, b.w);
-      }
-    }
-#pragma unroll 4
-    for (; ks < ke_full; ++ks) {
-      const int k = ks * 8 + t;
-      step(a_lo[k], a_hi[k], a_lo[k + 4], a_hi[k + 4], __ldg(w + k), __ldg(w + k + 4));
-    }
-    if (kb <= full && full < ke) {  // the last, partial k-step (K % 8 != 0)
-      const int k = full * 8 + t;
-      const bool ok0 = k < K, ok1 = k + 4 < K;
-      step(ok0 ? a_lo[k] : 0.f, ok0 ? a_hi[k] : 0.f, ok1 ? a_lo[k + 4] : 0.f, ok1 ? a_hi[k + 4] : 0.f,
-           ok0 ? __ldg(w + k) : 0.f, ok1 ? __ldg(w + k + 4) : 0.f);
-    }
-    float* p = partial + s * kRows * ld + tile * 8 + 2 * t;
-    p[g * ld] = c_small[0] + c_big[0];
-    p[g * ld + 1] = c_small[1] + c_big[1];
-    p[(g + 8) * ld] = c_small[2] + c_big[2];
-    p[(g + 8) * ld + 1] = c_small[3] + c_big[3];
-  }
-  __syncthreads();
-  return {partial, split, ld};
-}
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Pushes this CTA's columns [s.begin, s.end) of buf [kRows, ld] into the
-// other CTAs' copies of buf, as float4 runs where the columns allow
+// Pushes this CTA's columns [s.begin, s.end) of buf [kRows, N] (row stride N)
+// into the other CTAs' copies of buf, as float4 runs where the columns allow
 // (distributed shared memory traffic is per transaction: one float4 store
 // costs about what one float store does; flow_euler.cu measures it).  Stores
 // need no reply, so a push costs the issue of the stores, where gathering the
 // slices with remote loads waited on each load's round trip (run 1 of the
 // seventh session: ~16% of the kernel's stall samples).  The caller's cluster
 // barrier publishes the pushes.
-__device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* buf, int ld, Slice s,
+__device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* buf, int N, Slice s,
                                            int C, int rank) {
   const int n = s.end - s.begin;
   if (n <= 0) return;
   float* const src = buf + s.begin;
-  if (s.begin % 4 == 0 && n % 4 == 0) {
+  if (N % 4 == 0 && s.begin % 4 == 0 && n % 4 == 0) {
     const int n4 = n / 4, per_dst = kRows * n4;
     for (int idx = threadIdx.x; idx < (C - 1) * per_dst; idx += kThreads) {
       const int d = idx / per_dst, rest = idx - d * per_dst;
       const int r = rest / n4, q = rest - r * n4;
       const int dst = d + (d >= rank);
-      const float4 v = reinterpret_cast<const float4*>(src + r * ld)[q];
-      reinterpret_cast<float4*>(cluster.map_shared_rank(src + r * ld, dst))[q] = v;
+      const float4 v = reinterpret_cast<const float4*>(src + r * N)[q];
+      reinterpret_cast<float4*>(cluster.map_shared_rank(src + r * N, dst))[q] = v;
     }
   } else {
     const int per_dst = kRows * n;
@@ -279,14 +305,14 @@ __device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* bu
       const int d = idx / per_dst, rest = idx - d * per_dst;
       const int r = rest / n, q = rest - r * n;
       const int dst = d + (d >= rank);
-      *cluster.map_shared_rank(src + r * ld + q, dst) = src[r * ld + q];
+      *cluster.map_shared_rank(src + r * N + q, dst) = src[r * N + q];
     }
   }
 }
 #endif
 
 template <bool VEC>
-__global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Args<float> a) {
+__global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<float> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) float smem[];
   cg::cluster_group cluster = cg::this_cluster();
@@ -294,7 +320,6 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
   const int row0 = int(blockIdx.x / unsigned(C)) * kRows;
   const int I = a.I, H = a.H, L = a.L;
   const ClusterLayout lay(I, H, L);
-  const int ldx = lay.ldx, ldh = lay.ldh, ldz = lay.ldz;
   float* xs = smem + lay.xs;
   float* hs = smem + lay.hs;
   float* zs = smem + lay.zs;
@@ -302,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
   float* mus = smem + lay.mu;
   float* lvs = smem + lay.lv;
   float* klpart = smem + lay.klpart;
+  float* wpart = smem + lay.wpart;
   float* partial = smem + lay.partial;
   float* rall = smem + lay.rall;
   float* klall = smem + lay.klall;
@@ -313,64 +339,55 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
 
   // x tile; rows past the batch are zero (their results are never stored).
   if constexpr (VEC) {
-    // Asynchronous copies: all of a thread's loads in flight at once.
     const int I4 = I / 4;
-    const float4* src = reinterpret_cast<const float4*>(a.x + size_t(row0) * I);
     for (int idx = threadIdx.x; idx < kRows * I4; idx += kThreads) {
-      const int r = idx / I4, q = idx - r * I4;
-      float4* dst = reinterpret_cast<float4*>(xs + r * ldx) + q;
-      if (r < rows) {
-        cuda::cp_async_16(dst, src + idx);
-      } else {
-        *dst = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      const int r = idx / I4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < rows) v = __ldg(reinterpret_cast<const float4*>(a.x + size_t(row0) * I) + idx);
+      reinterpret_cast<float4*>(xs)[idx] = v;
     }
-    cuda::cp_async_commit();
-    cuda::cp_async_wait<0>();
   } else {
     for (int idx = threadIdx.x; idx < kRows * I; idx += kThreads) {
-      const int r = idx / I;
-      xs[r * ldx + idx - r * I] = r < rows ? __ldg(a.x + size_t(row0) * I + idx) : 0.0f;
+      xs[idx] = idx / I < rows ? __ldg(a.x + size_t(row0) * I + idx) : 0.0f;
     }
   }
   __syncthreads();
 
   // 1. h = relu(x W_enc^T + b_enc), this CTA's slice of H, pushed to all.
   const Slice sh = slice_of(H, C, rank);
-  const int nh = sh.end - sh.begin;
-  {
-    const PartialSums sum = mma_products<VEC>(
-        xs, ldx, I, nh, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; }, partial,
-        lay.partial_floats);
-    for (int idx = threadIdx.x; idx < kRows * nh; idx += kThreads) {
-      const int r = idx / nh, n = idx - r * nh;
-      hs[r * ldh + sh.begin + n] = relu(sum(r, n) + __ldg(a.b_enc + sh.begin + n));
-    }
-  }
+  split_linear<VEC>(
+      xs, I, sh.end - sh.begin, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; },
+      [&](int r, int n, float v) { hs[r * H + sh.begin + n] = relu(v + __ldg(a.b_enc + sh.begin + n)); },
+      partial);
   __syncthreads();
   cluster.barrier_wait(std::move(started));
-  push_slice(cluster, hs, ldh, sh, C, rank);
+  push_slice(cluster, hs, H, sh, C, rank);
   cluster.sync();
 
   // 2. mu and logvar for this CTA's slice of L (mu rows first, then logvar
   //    rows, as one list of neurons), then z (pushed to all) and the KL terms.
   const Slice sl = slice_of(L, C, rank);
   const int nl = sl.end - sl.begin;
-  {
-    const PartialSums sum = mma_products<VEC>(
-        hs, ldh, H, 2 * nl,
-        [&](int n) {
-          return n < nl ? a.w_mu + size_t(sl.begin + n) * H : a.w_lv + size_t(sl.begin + n - nl) * H;
-        },
-        partial, lay.partial_floats);
-    for (int idx = threadIdx.x; idx < kRows * nl; idx += kThreads) {
-      const int r = idx / nl, j = idx - r * nl, l = sl.begin + j;
-      const float mu = sum(r, j) + __ldg(a.b_mu + l);
-      const float lv = sum(r, nl + j) + __ldg(a.b_lv + l);
-      const float e = r < rows ? __ldg(a.eps + size_t(row0 + r) * L + l) : 0.0f;
-      zs[r * ldz + l] = mu + expf(0.5f * lv) * e;
-      mus[r * L + l] = ((1.0f + lv) - mu * mu) - expf(lv);  // KL term, in the reference's order
-    }
+  split_linear<VEC>(
+      hs, H, 2 * nl,
+      [&](int n) {
+        return n < nl ? a.w_mu + size_t(sl.begin + n) * H : a.w_lv + size_t(sl.begin + n - nl) * H;
+      },
+      [&](int r, int n, float v) {
+        if (n < nl) {
+          mus[r * L + sl.begin + n] = v + __ldg(a.b_mu + sl.begin + n);
+        } else {
+          lvs[r * L + sl.begin + n - nl] = v + __ldg(a.b_lv + sl.begin + n - nl);
+        }
+      },
+      partial);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * nl; idx += kThreads) {
+    const int r = idx / nl, l = sl.begin + idx % nl;
+    const float mu = mus[r * L + l], lv = lvs[r * L + l];
+    const float e = r < rows ? __ldg(a.eps + size_t(row0 + r) * L + l) : 0.0f;
+    zs[r * L + l] = mu + expf(0.5f * lv) * e;
+    mus[r * L + l] = ((1.0f + lv) - mu * mu) - expf(lv);  // KL term, in the reference's order
   }
   __syncthreads();
   if (threadIdx.x < kRows) {
@@ -378,47 +395,41 @@ __global__ void __launch_bounds__(kThreads, 2) vae_elbo_cluster_kernel(const Arg
     for (int l = sl.begin; l < sl.end; ++l) s += mus[threadIdx.x * L + l];
     klpart[threadIdx.x] = s;
   }
-  push_slice(cluster, zs, ldz, sl, C, rank);
+  push_slice(cluster, zs, L, sl, C, rank);
   cluster.sync();
 
   // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice
   //    of H, pushed to all.
-  {
-    const PartialSums sum = mma_products<VEC>(
-        zs, ldz, L, nh, [&](int n) { return a.w_d1 + size_t(sh.begin + n) * L; }, partial,
-        lay.partial_floats);
-    for (int idx = threadIdx.x; idx < kRows * nh; idx += kThreads) {
-      const int r = idx / nh, n = idx - r * nh;
-      gs[r * ldh + sh.begin + n] = relu(sum(r, n) + __ldg(a.b_d1 + sh.begin + n));
-    }
-  }
+  split_linear<VEC>(
+      zs, L, sh.end - sh.begin, [&](int n) { return a.w_d1 + size_t(sh.begin + n) * L; },
+      [&](int r, int n, float v) { gs[r * H + sh.begin + n] = relu(v + __ldg(a.b_d1 + sh.begin + n)); },
+      partial);
   __syncthreads();
-  push_slice(cluster, gs, ldh, sh, C, rank);
+  push_slice(cluster, gs, H, sh, C, rank);
   cluster.sync();
 
-  // 4. Decoder logits for this CTA's slice of I, straight into the BCE sums:
-  //    the 16 threads of row r = tid / 16 (a half warp) take columns
-  //    tid % 16, +16, ... in order and meet in a fixed butterfly.
+  // 4. Decoder logits for this CTA's slice of I, straight into the BCE sums.
+  //    Each lane sums the terms of its row (lane >> 1) in a fixed order.
   const Slice si = slice_of(I, C, rank);
-  const int ni = si.end - si.begin;
+  float racc = 0.0f;
+  warp_linear<VEC>(
+      gs, H, si.end - si.begin, [&](int n) { return a.w_d2 + size_t(si.begin + n) * H; },
+      [&](int r, int n, float v) {
+        const int i = si.begin + n;
+        racc += bce_term(v + __ldg(a.b_d2 + i), xs[r * I + i]);
+      });
   {
-    const PartialSums sum = mma_products<VEC>(
-        gs, ldh, H, ni, [&](int n) { return a.w_d2 + size_t(si.begin + n) * H; }, partial,
-        lay.partial_floats);
-    static_assert(kThreads == 16 * kRows, "a half warp per row");
-    const int r = threadIdx.x / 16;
-    float racc = 0.0f;
-    for (int n = threadIdx.x % 16; n < ni; n += 16) {
-      const int i = si.begin + n;
-      racc += bce_term(sum(r, n) + __ldg(a.b_d2 + i), xs[r * ldx + i]);
-    }
-#pragma unroll
-    for (int off = 8; off > 0; off /= 2) racc += __shfl_xor_sync(cuda::kFullMask, racc, off);
-    // This CTA's per-row sums, pushed into rank 0's rall / klall at this rank's row.
-    if (threadIdx.x % 16 == 0) {
-      cluster.map_shared_rank(rall, 0)[rank * kRows + r] = racc;
-      cluster.map_shared_rank(klall, 0)[rank * kRows + r] = klpart[r];
-    }
+    const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
+    const float tot = racc + __shfl_xor_sync(cuda::kFullMask, racc, 1);
+    if ((lane & 1) == 0) wpart[warp * kRows + (lane >> 1)] = tot;
+  }
+  __syncthreads();
+  // This CTA's per-row sums, pushed into rank 0's rall / klall at this rank's row.
+  if (threadIdx.x < kRows) {
+    float s = 0.0f;
+    for (int w = 0; w < kWarps; ++w) s += wpart[w * kRows + threadIdx.x];
+    cluster.map_shared_rank(rall, 0)[rank * kRows + threadIdx.x] = s;
+    cluster.map_shared_rank(klall, 0)[rank * kRows + threadIdx.x] = klpart[threadIdx.x];
   }
   cluster.sync();
 
