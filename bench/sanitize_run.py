@@ -90,6 +90,7 @@ VAE_CASES = [
     (5, 5, 7, 3, torch.float32),  # cluster, slices smaller than the cluster (empty CTAs)
     (2053, 784, 256, 32, torch.float32),  # tiled tensor-core path, partial last tile
     (2048, 37, 40, 5, torch.float32),  # tiled, odd I and L
+    (2048, 784, 256, 64, torch.float32),  # tiled, shared memory above 200 KB
     (3, 4000, 1500, 40, torch.float32),  # general: activations exceed shared memory
     (9, 33, 16, 5, torch.float64),  # general: float64
 ]

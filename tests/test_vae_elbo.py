@@ -448,6 +448,7 @@ CUDA_PATH_CASES = [
     (2053, 784, 256, 32, torch.float32),  # tiled: partial last row tile
     (2048, 100, 64, 8, torch.float32),    # tiled: I not a multiple of the column tile
     (3000, 37, 40, 5, torch.float32),     # tiled: I, H, L odd sizes
+    (2048, 784, 256, 64, torch.float32),  # tiled: wide latent, shared memory above 200 KB
     (64, 4000, 1500, 40, torch.float32),  # general: activations exceed shared memory
     (128, 784, 256, 32, torch.float64),   # general: float64
     (2048, 784, 256, 32, torch.float64),  # general: float64, large batch
