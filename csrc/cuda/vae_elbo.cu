@@ -5,17 +5,19 @@
 // cluster  float32, compute capability >= 9.0, B < kTiledMinBatch (or the tiled
 //          path does not apply) and a 16-row tile's activations fit in shared
 //          memory (kRows * (I + 2H + 3L) floats plus scratch <= kMaxClusterSmem;
-//          784-256-32 needs ~90 KB).  ONE launch.  Each thread-block cluster
-//          (16 CTAs where the GPU allows the non-portable size, else 8) owns
-//          kRows samples; every stage is split across the cluster's CTAs by
-//          neurons, and the activations each stage needs in full (h, z, the
-//          decoder hidden layer) are exchanged through distributed shared
-//          memory between cluster barriers.  x stays in shared memory for the
-//          BCE, the decoder logits never leave registers.  Weights are read
-//          straight from global memory (each weight once per CTA), as float4
-//          when I, H, L are multiples of 4 and the pointers are 16-byte
-//          aligned, element by element otherwise.  Hit by the default size
-//          (B=128, 784-256-32) and every float32 test size below 2048 rows.
+//          784-256-32 needs ~94 KB, two CTAs per SM).  ONE launch.  Each
+//          thread-block cluster (16 CTAs where the GPU allows the
+//          non-portable size, else 8) owns kRows samples; every layer is
+//          split across the cluster's CTAs by neurons, and each CTA pushes
+//          its slice of the activations the next layer needs in full (h, z,
+//          the decoder hidden layer) into the other CTAs' shared memory
+//          (distributed shared memory stores; one cluster barrier per
+//          layer).  x stays in shared memory for the BCE, the decoder logits
+//          never leave registers.  Weights are read straight from global
+//          memory (each weight once per CTA), as float4 when I, H, L are
+//          multiples of 4 and the pointers are 16-byte aligned, element by
+//          element otherwise.  Hit by the default size (B=128, 784-256-32)
+//          and every float32 test size below 2048 rows.
 // tiled    float32, compute capability >= 8.0, B >= kTiledMinBatch (2048),
 //          H % 8 == 0, H <= 256 and the tile's activations fit in the
 //          device's shared memory (at H = 256 on an H200: L <= 72).  A packing launch for the weights, then one
