@@ -48,8 +48,8 @@ def _call_op(op, tensors, *scalars):
     12 tensors of ``vae_elbo`` on a 2-core VM, as much as a small fused
     kernel (on the H200, the VAE module call at B=128 went from 47.5 to 28.7
     us for a 26 us kernel: bench/results/nvidia-h200-gpu-run.txt, run W and
-    the seventh session's run 1).  Under ``torch.compile`` the op is called as it is, so the graph
-    records the op itself.
+    the seventh session's run 1).  Under ``torch.compile`` the op is called
+    as it is, so the graph records the op itself.
     """
     if torch.compiler.is_compiling() or _needs_grad(tensors):
         return op(*tensors, *scalars)

@@ -13,6 +13,8 @@ import torch
 import fused_ops
 from fused_ops import ops
 from fused_test_utils import make_inputs
+from test_flow_euler import make_args as make_flow_args
+from test_vae_elbo import make_inputs as make_vae_inputs
 
 
 def _is_args(device, requires_grad=False):
@@ -20,18 +22,11 @@ def _is_args(device, requires_grad=False):
 
 
 def _flow_args(device, requires_grad=False):
-    B, D, H = 3, 4, 9
-    ts = [torch.randn(B, D), torch.randn(H, D + 1) * 0.3, torch.randn(H) * 0.1, torch.randn(H, H) * 0.3,
-          torch.randn(H) * 0.1, torch.randn(D, H) * 0.3, torch.randn(D) * 0.1]
-    return [t.to(device).requires_grad_(requires_grad) for t in ts]
+    return make_flow_args(3, 4, 9, device=device, requires_grad=requires_grad)
 
 
 def _vae_args(device, requires_grad=False):
-    B, I, H, L = 4, 6, 5, 3
-    shapes = [(B, I), (B, L), (H, I), (H,), (L, H), (L,), (L, H), (L,), (H, L), (H,), (I, H), (I,)]
-    ts = [torch.randn(s) * 0.5 for s in shapes]
-    ts[0] = torch.rand(B, I)
-    return [t.to(device).requires_grad_(requires_grad) for t in ts]
+    return make_vae_inputs(4, 6, 5, 3, device=device, requires_grad=requires_grad)
 
 
 # (Python function, the op it calls, inputs, extra scalar arguments)
