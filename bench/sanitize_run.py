@@ -43,7 +43,8 @@ CASES = [
 
 FLOW_CASES = [
     # (B, D, H, num_steps, dtype)    path exercised
-    (8, 64, 256, 4, torch.float32),  # cluster, default size
+    (8, 64, 256, 4, torch.float32),  # row, default size
+    (3, 64, 256, 2, torch.float32),  # row
     (3, 5, 20, 2, torch.float32),  # cluster, everything padded
     (32, 100, 130, 2, torch.float32),  # cluster, 4 row chunks, ragged neuron slices
     (1, 1, 3, 1, torch.float32),  # cluster, smallest

@@ -1,12 +1,15 @@
 """Tests of torch.ops.fused_ops.flow_euler and fused_ops.nn.FlowODE against the
 reference program (DESIGN.md sections 2.2, 3 and 4).
 
-CUDA kernel paths and the sizes that reach them (csrc/cuda/flow_euler.cu):
+CUDA kernel paths and the sizes that reach them (csrc/cuda/flow_euler.cu;
+B limits as on an H200, 132 SMs):
+  row      float32, D = 64 and H = 256 exactly, B <= the SM count and the
+           block's 227 KB of shared memory available: B = 1, 8, 129
   cluster  float32, sm_90, B <= 32 and the weights fit a cluster's shared
-           memory: (B, D, H) = (8, 64, 256), (1, 1, 3), (3, 5, 20), (32, 100, 130),
+           memory: (B, D, H) = (1, 1, 3), (3, 5, 20), (32, 100, 130),
            (32, 64, 300) (long ragged k-segments)
   tiled    float32, sm_80+, otherwise when a 32-row tile's activations fit
-           shared memory: B = 4096 (D=64, H=256), (129, 100, 130), (33, 5, 20)
+           shared memory: B = 4096 and 133 (D=64, H=256), (129, 100, 130), (33, 5, 20)
   general  float64, or float32 too large for both: (8, 5, 1100), (40, 3, 1100)
 The lists below contain all of them, so one CUDA run of this file covers
 every path.
@@ -67,12 +70,15 @@ def ref(args, steps):
 # (B, D, H, steps): every required B, D, steps value, hidden widths that are
 # not multiples of 32, and the sizes that reach each CUDA path (module doc).
 CASES = [
-    (8, 64, 256, 32),  # default size: cluster
+    (8, 64, 256, 32),  # default size: row
+    (1, 64, 256, 1),  # row, one block
+    (129, 64, 256, 3),  # row, a block per SM but three
+    (133, 64, 256, 2),  # tiled: one row more than an H200 has SMs
     (1, 1, 3, 1),  # cluster, smallest
     (3, 5, 20, 2),  # cluster
     (32, 100, 130, 7),  # cluster, largest B
     (32, 64, 300, 3),  # cluster, long ragged k-segments (4 row chunks)
-    (8, 64, 256, 100),  # cluster, many steps
+    (8, 64, 256, 100),  # row, many steps
     (1, 100, 37, 32),
     (129, 100, 130, 7),  # tiled, ragged last tile
     (33, 5, 20, 2),  # tiled
@@ -181,6 +187,9 @@ LAYOUTS = {
     "transposed": lambda t: t.t().contiguous().t() if t.dim() == 2 else t,
     # Every tensor a strided slice of a larger one.
     "strided": lambda t: (torch.stack([t, torch.full_like(t, float("nan"))], -1)[..., 0]),
+    # Contiguous, but starting one element into a buffer: not 16-byte aligned
+    # (the CUDA row path's float4 weight loads need alignment and decline).
+    "misaligned": lambda t: torch.cat([t.new_full((1,), float("nan")), t.flatten()])[1:].view_as(t),
 }
 
 
@@ -189,7 +198,10 @@ LAYOUTS = {
 def test_non_contiguous_inputs(layout, B, D, H, device):
     args = make_args(B, D, H, device=device)
     odd = [LAYOUTS[layout](a) for a in args]
-    assert any(not a.is_contiguous() for a in odd)
+    if layout == "misaligned":
+        assert all(a.is_contiguous() and a.data_ptr() % 16 != 0 for a in odd)
+    else:
+        assert any(not a.is_contiguous() for a in odd)
     for a, b in zip(odd, args):
         assert torch.equal(a, b)
     got = OP(*odd, 4)

@@ -1,5 +1,14 @@
-// CUDA kernels of fused_ops::flow_euler.  Three paths, chosen per call on the
-// host (choose_path below) from the dtype, the sizes and the device:
+// CUDA kernels of fused_ops::flow_euler.  Four paths, chosen per call on the
+// host (flow_euler_cuda below) from the dtype, the sizes and the device:
+//
+// row      float32 at exactly D = 64, H = 256 (the default), B <= the number
+//          of SMs, where a block may have ~200 KB of shared memory (sm_90):
+//          one launch, one block per row, each block holding all the
+//          weights (registers and shared memory) for all steps and never
+//          talking to another block.  Faster than the cluster path below
+//          because a layer ends with a block barrier instead of a cluster
+//          barrier plus an exchange; bounded by shared-memory bandwidth.
+//          See "row path" for the numbers.
 //
 // cluster  float32, compute capability >= 9.0, B <= 32 and the weight slices
 //          fit shared memory (the default B=8, D=64, H=256 does, with ~50 KB
@@ -504,6 +513,246 @@ void launch_cluster(const FlowEulerCall& c, int num_blocks) {
 }
 
 // ---------------------------------------------------------------------------
+// row path (the default D = 64, H = 256; sm_90-size shared memory)
+// ---------------------------------------------------------------------------
+
+// One block per batch row, all 98,560 weights held by that block for the
+// whole integration: 96 per thread in registers (49,152), the rest (three
+// quarters of w2) in shared memory (192 KB).  Rows are independent, so
+// blocks never talk to each other and a layer ends with a block barrier,
+// not a cluster barrier plus an exchange (the cluster path's ~2.3 us per
+// step, see the file comment).  What bounds a step instead is shared-memory
+// bandwidth: each step streams the shared part of the weights once (49,152
+// floats at 32 per clock, ~1,540 clocks, against ~770 clocks of FMAs) --
+// hence as many weights in registers as fit (512 threads x 128 registers is
+// the whole register file), and each activation read serves several
+// neurons.  Measured on the H200 (eighth session's runs 1-5 in
+// bench/results/nvidia-h200-gpu-run.txt): 78 us per call at the default
+// (the cluster path: ~160 us); 16 / 24 / 32 w2 weights per thread in
+// registers gave 104 / 102 / 87 us in a first layout.  ncu: ~2 us per
+// step, half of it layer 2 waiting on its shared-memory weight loads (no
+// registers are left to issue them ahead), layers 1 and 3 ~0.35 us each
+// (latency: a shuffle chain, SiLU, a barrier); loading the weights ~12 us.
+// Work split (8 lanes per group, lane s of a group sums the k-range s):
+//   layers 1, 2  group g owns neurons 4g .. 4g+3 and each lane holds their
+//                weights for its k-range (8 of K = 64, 32 of K = 256), so an
+//                input float4 feeds 16 FMAs; the four sums are reduced over
+//                the group's lanes by a reduce-scatter (row_reduce4);
+//   layer 3      group d owns output d, 32 k per lane, a 3-shuffle butterfly.
+// Every lane that ends up holding a sum holds the identical value (the two
+// lanes of the last shuffle add the same two numbers, a + b == b + a).
+constexpr int kRowD = 64, kRowH = 256;
+constexpr int kRowThreads = 2 * kRowH;
+constexpr int kRowK1 = kRowD / 8, kRowK2 = kRowH / 8, kRowK3 = kRowH / 8;  // k per lane in layers 1-3
+constexpr int kRowW2RegK = 8;                                  // of a lane's kRowK2 layer-2 k, in registers
+constexpr int kRowW2Chunks = (kRowK2 - kRowW2RegK) / 4 * 4;    // the rest: float4 chunks (k-quad x neuron)
+static_assert(kRowThreads / 8 == kRowH / 4 && kRowThreads / 8 == kRowD, "a group per 4 neurons / per output");
+
+// Activation index with 4 floats of padding after every 32: the 8 lanes of a
+// group read one float4 each at the same offset into their own k-ranges,
+// and the padding puts those 8 float4s in 8 distinct bank quads.
+__host__ __device__ constexpr int row_pad(int k) { return k + k / 32 * 4; }
+
+// Shared memory: w2's shared part [chunk][thread] as float4s (a warp's read
+// of one chunk is 512 contiguous bytes: conflict-free), then x, h1, h2.
+constexpr int kRowX = kRowW2Chunks * kRowThreads * 4;
+constexpr int kRowH1 = kRowX + row_pad(kRowD);
+constexpr int kRowH2 = kRowH1 + row_pad(kRowH);
+constexpr size_t kRowSmem = sizeof(float) * size_t(kRowH2 + row_pad(kRowH));
+
+// Sums of four neurons' partials over the 8 lanes of a group, returned for
+// neuron 2 * lane bit 2 + lane bit 1 (lanes L and L ^ 1 get the same one):
+// each step keeps half of the remaining neurons and trades the other half
+// with the partner lane, 4 shuffles instead of 3 per neuron.  Fixed order.
+__device__ __forceinline__ float row_reduce4(const float (&v)[4]) {
+  const int lane = int(threadIdx.x) % kWarpSize;
+  const bool hi = lane & 4, mid = lane & 2;
+  float a0 = hi ? v[2] : v[0], a1 = hi ? v[3] : v[1];
+  a0 += __shfl_xor_sync(kFullMask, hi ? v[0] : v[2], 4);
+  a1 += __shfl_xor_sync(kFullMask, hi ? v[1] : v[3], 4);
+  float b = mid ? a1 : a0;
+  b += __shfl_xor_sync(kFullMask, mid ? a0 : a1, 2);
+  return b + __shfl_xor_sync(kFullMask, b, 1);
+}
+
+// v = p[0..3] as one float4 load when `vec` (16-byte aligned), else four.
+__device__ __forceinline__ float4 row_load4(const float* p, bool vec) {
+  return vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
+}
+
+// *dst = src[0..3]: an asynchronous 16-byte copy (cp.async: no registers,
+// every copy of a thread in flight at once) when `vec` (src 16-byte
+// aligned), else four loads and a store.  Callers end a round of copies
+// with row_copies_done.
+__device__ __forceinline__ void row_put4(float4* dst, const float* src, bool vec) {
+  if (vec) {
+    cuda::cp_async_16(dst, src);
+  } else {
+    *dst = make_float4(src[0], src[1], src[2], src[3]);
+  }
+}
+
+__device__ __forceinline__ void row_copies_done() {
+  cuda::cp_async_commit();
+  cuda::cp_async_wait<0>();
+  __syncthreads();
+}
+
+// float4 f of dst = float4 src_quad(f) of src, for f < N (all threads).
+template <int N, typename SrcQuad>
+__device__ __forceinline__ void row_copy(float* dst, const float* src, SrcQuad src_quad) {
+  const bool vec = reinterpret_cast<uintptr_t>(src) % 16 == 0;
+#pragma unroll 4
+  for (int f = int(threadIdx.x); f < N; f += kRowThreads) {
+    row_put4(reinterpret_cast<float4*>(dst) + f, src + 4 * src_quad(f), vec);
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) {
+  extern __shared__ float4 row_smem4[];
+  float* smem = reinterpret_cast<float*>(row_smem4);
+  float* const xs = smem + kRowX;
+  float* const h1 = smem + kRowH1;
+  float* const h2 = smem + kRowH2;
+  const int tid = threadIdx.x;
+  const int g = tid >> 3, s = tid & 7;               // group, lane in group
+  const int own = 4 * g + 2 * ((tid >> 2) & 1) + ((tid >> 1) & 1);  // neuron of row_reduce4's result
+  const int64_t row = blockIdx.x;
+
+  // Loading: ~400 KB per block once, every global read coalesced and all of
+  // a thread's reads in flight (cp.async; direct per-thread register loads,
+  // scalar and scattered, took ~28 us of a 90 us call: the load queue was
+  // full, ncu).  The register weights go through the (still free) w2 region
+  // of shared memory: w1 and w3 first, then w2's register part; then w2's
+  // shared part goes to its place.  (w1's rows of D + 1 floats are not
+  // 16-byte aligned, but the whole tensor is, as a copy of it needs.)
+  float w1r[4][kRowK1], w2r[4][kRowW2RegK], w3r[kRowK3];
+  {
+    constexpr int kW1 = kRowH * (kRowD + 1), kW3 = kRowD * kRowH;
+    static_assert(kW1 % 4 == 0 && kW1 + kW3 <= kRowX, "w1 and w3 fit the staging region");
+    row_copy<kW1 / 4>(smem, a.w1, [](int f) { return f; });
+    row_copy<kW3 / 4>(smem + kW1, a.w3, [](int f) { return f; });
+    row_copies_done();
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < kRowK1; ++e) w1r[i][e] = smem[(4 * g + i) * (kRowD + 1) + kRowK1 * s + e];
+#pragma unroll
+    for (int e = 0; e < kRowK3; ++e) w3r[e] = smem[kW1 + g * kRowH + kRowK3 * s + e];
+    __syncthreads();
+    // w2's register part: float4 r of row n is float4 q = r % (kRowW2RegK / 4)
+    // of lane s = r / (kRowW2RegK / 4)'s range, staged as [n][s][kRowW2RegK].
+    constexpr int kPerRow = 8 * kRowW2RegK / 4;
+    row_copy<kRowH * kPerRow>(smem, a.w2, [](int f) {
+      const int n = f / kPerRow, r = f % kPerRow;
+      return n * (kRowH / 4) + r / (kRowW2RegK / 4) * (kRowK2 / 4) + r % (kRowW2RegK / 4);
+    });
+    row_copies_done();
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < kRowW2RegK; ++e) w2r[i][e] = smem[((4 * g + i) * 8 + s) * kRowW2RegK + e];
+    __syncthreads();
+  }
+  // w2's shared part, scattered to [chunk][thread]: element (n, k) belongs
+  // to thread 8 (n / 4) + k / 32, chunk (k % 32 / 4 - kRowW2RegK / 4) * 4 +
+  // n % 4, when k % 32 is past the register part.
+  {
+    const bool vec = reinterpret_cast<uintptr_t>(a.w2) % 16 == 0;
+    for (int f = tid; f < kRowH * kRowH / 4; f += kRowThreads) {
+      const int n = f / (kRowH / 4), q = f % (kRowH / 4);
+      const int c = (q % (kRowK2 / 4) - kRowW2RegK / 4) * 4 + n % 4;
+      if (c >= 0) row_put4(row_smem4 + c * kRowThreads + 8 * (n / 4) + q / (kRowK2 / 4), a.w2 + 4 * f, vec);
+    }
+  }
+  for (int k = tid; k < kRowD; k += kRowThreads) xs[row_pad(k)] = a.x0[row * kRowD + k];
+  row_copies_done();
+  const float w_time = a.w1[own * (kRowD + 1) + kRowD], b1 = a.b1[own], b2 = a.b2[own], b3 = a.b3[g];
+
+  const float4* w2s = row_smem4 + tid;
+  for (int step = 0; step < a.num_steps; ++step) {
+    const float t = flow_step_time<float>(step, a.num_steps);
+    {  // h1 = silu(w1 [x, t] + b1)
+      const float* in = xs + row_pad(kRowK1 * s);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kRowK1; k += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(in + k);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[i] = fmaf(w1r[i][k], v.x, acc[i]);
+          acc[i] = fmaf(w1r[i][k + 1], v.y, acc[i]);
+          acc[i] = fmaf(w1r[i][k + 2], v.z, acc[i]);
+          acc[i] = fmaf(w1r[i][k + 3], v.w, acc[i]);
+        }
+      }
+      const float sum = row_reduce4(acc);
+      if ((tid & 1) == 0) h1[row_pad(own)] = silu(sum + t * w_time + b1);
+    }
+    __syncthreads();
+    {  // h2 = silu(w2 h1 + b2)
+      const float* in = h1 + row_pad(kRowK2 * s);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kRowK2; k += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(in + k);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float4 w;
+          if (k < kRowW2RegK) {
+            w = make_float4(w2r[i][k], w2r[i][k + 1], w2r[i][k + 2], w2r[i][k + 3]);
+          } else {
+            w = w2s[((k - kRowW2RegK) + i) * kRowThreads];
+          }
+          acc[i] = fmaf(w.x, v.x, acc[i]);
+          acc[i] = fmaf(w.y, v.y, acc[i]);
+          acc[i] = fmaf(w.z, v.z, acc[i]);
+          acc[i] = fmaf(w.w, v.w, acc[i]);
+        }
+      }
+      const float sum = row_reduce4(acc);
+      if ((tid & 1) == 0) h2[row_pad(own)] = silu(sum + b2);
+    }
+    __syncthreads();
+    {  // x += dt * (w3 h2 + b3)
+      const float* in = h2 + row_pad(kRowK3 * s);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kRowK3; k += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(in + k);
+        acc[0] = fmaf(w3r[k], v.x, acc[0]);
+        acc[1] = fmaf(w3r[k + 1], v.y, acc[1]);
+        acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
+        acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
+      }
+      float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      sum += __shfl_xor_sync(kFullMask, sum, 4);
+      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      sum += __shfl_xor_sync(kFullMask, sum, 1);
+      if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], a.dt, sum + b3);
+    }
+    __syncthreads();
+  }
+  for (int k = tid; k < kRowD; k += kRowThreads) a.x[row * kRowD + k] = xs[row_pad(k)];
+}
+
+// Whether the row path takes this call: float32 at exactly the default D and
+// H, one block per SM for all rows (one wave; beyond it the tiled path's
+// tensor cores win), and the block's shared memory available (sm_90).
+bool row_applies(const FlowEulerCall& c) {
+  if (c.x.scalar_type() != ScalarType::Float || c.D != kRowD || c.H != kRowH) return false;
+  if (c.B > cuda::multiprocessor_count(cuda::current_device())) return false;
+  return kRowSmem <= cuda::max_shared_memory_per_block();
+}
+
+void launch_row(const FlowEulerCall& c) {
+  cuda::allow_dynamic_smem(flow_row_kernel, kRowSmem);
+  flow_row_kernel<<<unsigned(c.B), kRowThreads, kRowSmem, cuda::current_stream(cuda::current_device())>>>(
+      flow_params(c));
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------
 // tiled path (sm_80+, 3xTF32 tensor cores)
 // ---------------------------------------------------------------------------
 
@@ -805,7 +1054,9 @@ Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, con
   // Path rule (see the file comment): cluster for small float32 batches on
   // sm_90 when the weight slices fit, else the tensor-core tile kernel for
   // float32 on sm_80+ when a tile fits, else the general kernels.
-  if (const int blocks = cluster_blocks_for(c)) {
+  if (row_applies(c)) {
+    launch_row(c);
+  } else if (const int blocks = cluster_blocks_for(c)) {
     launch_cluster(c, blocks);
   } else if (tiled_applies(c)) {
     launch_tiled(c);
