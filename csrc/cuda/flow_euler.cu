@@ -532,7 +532,8 @@ void launch_cluster(const FlowEulerCall& c, int num_blocks) {
 // registers gave 104 / 102 / 87 us in a first layout.  ncu: ~2 us per
 // step, half of it layer 2 waiting on its shared-memory weight loads (no
 // registers are left to issue them ahead), layers 1 and 3 ~0.35 us each
-// (latency: a shuffle chain, SiLU, a barrier); loading the weights ~12 us.
+// (latency: a shuffle chain, SiLU, a barrier); loading the weights ~12 us
+// of the samples, though a leaner two-round load (run 7) measured no faster.
 // Work split (8 lanes per group, lane s of a group sums the k-range s):
 //   layers 1, 2  group g owns neurons 4g .. 4g+3 and each lane holds their
 //                weights for its k-range (8 of K = 64, 32 of K = 256), so an
@@ -573,6 +574,14 @@ __device__ __forceinline__ float row_reduce4(const float (&v)[4]) {
   float b = mid ? a1 : a0;
   b += __shfl_xor_sync(kFullMask, mid ? a0 : a1, 2);
   return b + __shfl_xor_sync(kFullMask, b, 1);
+}
+
+// acc += w . v, the four products in a fixed order.
+__device__ __forceinline__ void row_fma4(float& acc, const float4& w, const float4& v) {
+  acc = fmaf(w.x, v.x, acc);
+  acc = fmaf(w.y, v.y, acc);
+  acc = fmaf(w.z, v.z, acc);
+  acc = fmaf(w.w, v.w, acc);
 }
 
 // v = p[0..3] as one float4 load when `vec` (16-byte aligned), else four.
@@ -680,10 +689,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) 
         const float4 v = *reinterpret_cast<const float4*>(in + k);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          acc[i] = fmaf(w1r[i][k], v.x, acc[i]);
-          acc[i] = fmaf(w1r[i][k + 1], v.y, acc[i]);
-          acc[i] = fmaf(w1r[i][k + 2], v.z, acc[i]);
-          acc[i] = fmaf(w1r[i][k + 3], v.w, acc[i]);
+          row_fma4(acc[i], make_float4(w1r[i][k], w1r[i][k + 1], w1r[i][k + 2], w1r[i][k + 3]), v);
         }
       }
       const float sum = row_reduce4(acc);
@@ -704,10 +710,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) 
           } else {
             w = w2s[((k - kRowW2RegK) + i) * kRowThreads];
           }
-          acc[i] = fmaf(w.x, v.x, acc[i]);
-          acc[i] = fmaf(w.y, v.y, acc[i]);
-          acc[i] = fmaf(w.z, v.z, acc[i]);
-          acc[i] = fmaf(w.w, v.w, acc[i]);
+          row_fma4(acc[i], w, v);
         }
       }
       const float sum = row_reduce4(acc);
