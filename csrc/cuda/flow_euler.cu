@@ -584,6 +584,22 @@ __device__ __forceinline__ void row_fma4(float& acc, const float4& w, const floa
   acc = fmaf(w.w, v.w, acc);
 }
 
+// Layers 1 and 2: this lane's partial sums of its group's four neurons over
+// its K-float range `in` (weights(i, k): neuron i's weights k .. k+3 as a
+// float4), reduced over the group (row_reduce4).  Fully unrolled, so the
+// register weights are indexed by constants.
+template <int K, typename Weights>
+__device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < K; k += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(in + k);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) row_fma4(acc[i], weights(i, k), v);
+  }
+  return row_reduce4(acc);
+}
+
 // v = p[0..3] as one float4 load when `vec` (16-byte aligned), else four.
 __device__ __forceinline__ float4 row_load4(const float* p, bool vec) {
   return vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
@@ -682,38 +698,17 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) 
   for (int step = 0; step < a.num_steps; ++step) {
     const float t = flow_step_time<float>(step, a.num_steps);
     {  // h1 = silu(w1 [x, t] + b1)
-      const float* in = xs + row_pad(kRowK1 * s);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < kRowK1; k += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(in + k);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          row_fma4(acc[i], make_float4(w1r[i][k], w1r[i][k + 1], w1r[i][k + 2], w1r[i][k + 3]), v);
-        }
-      }
-      const float sum = row_reduce4(acc);
+      const float sum = row_dots4<kRowK1>(xs + row_pad(kRowK1 * s), [&](int i, int k) {
+        return make_float4(w1r[i][k], w1r[i][k + 1], w1r[i][k + 2], w1r[i][k + 3]);
+      });
       if ((tid & 1) == 0) h1[row_pad(own)] = silu(sum + t * w_time + b1);
     }
     __syncthreads();
     {  // h2 = silu(w2 h1 + b2)
-      const float* in = h1 + row_pad(kRowK2 * s);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < kRowK2; k += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(in + k);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float4 w;
-          if (k < kRowW2RegK) {
-            w = make_float4(w2r[i][k], w2r[i][k + 1], w2r[i][k + 2], w2r[i][k + 3]);
-          } else {
-            w = w2s[((k - kRowW2RegK) + i) * kRowThreads];
-          }
-          row_fma4(acc[i], w, v);
-        }
-      }
-      const float sum = row_reduce4(acc);
+      const float sum = row_dots4<kRowK2>(h1 + row_pad(kRowK2 * s), [&](int i, int k) {
+        return k < kRowW2RegK ? make_float4(w2r[i][k], w2r[i][k + 1], w2r[i][k + 2], w2r[i][k + 3])
+                              : w2s[((k - kRowW2RegK) + i) * kRowThreads];
+      });
       if ((tid & 1) == 0) h2[row_pad(own)] = silu(sum + b2);
     }
     __syncthreads();
