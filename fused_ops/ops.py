@@ -6,6 +6,7 @@ The kernels are registered from C++ (csrc/); this file adds what
 """
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 __all__ = ["importance_sampling", "flow_euler", "flow_euler_backward"]
@@ -33,6 +34,36 @@ def _needs_grad(tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _reject_forward_ad(op, tensors) -> None:
+    """Raises when forward-mode AD would differentiate this call: the ops
+    have no forward derivative (jvp), and without this check their outputs
+    would come back silently without tangents -- a zero directional
+    derivative from ``torch.func.jvp``.
+
+    Forward AD is on inside ``torch.autograd.forward_ad.dual_level()`` and
+    ``torch.func.jvp`` (both make the dual level >= 0); only inputs that carry
+    a tangent are refused, so a call on plain tensors inside them still
+    works.  Under ``vmap`` inside ``jvp`` a tangent cannot be inspected
+    (``unpack_dual`` has no batching rule), so such a call is refused.
+    ``torch.ops.fused_ops.*`` called directly is not checked: the autograd
+    kernel that ``torch.library.register_autograd`` installs drops the
+    tangents silently, which this Python layer cannot intercept.
+    """
+    if _forward_ad._current_level < 0:  # the common case: one module-global read
+        return
+    try:
+        dual = any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    except RuntimeError:  # vmap inside jvp
+        dual = True
+    if dual:
+        raise RuntimeError(
+            f"fused_ops::{op._opname} does not support forward-mode AD (torch.func.jvp, "
+            f"torch.autograd.forward_ad dual tensors): it has no forward derivative, and its outputs "
+            f"would silently carry no tangent. Use reverse mode (backward, torch.autograd.grad, "
+            f"torch.func.vjp), or fused_ops.reference for forward mode."
+        )
+
+
 def _call_op(op, tensors, *scalars):
     """``op(*tensors, *scalars)`` for an op with a Python autograd
     registration (the forward ops, and the backward ops whose registration
@@ -49,9 +80,13 @@ def _call_op(op, tensors, *scalars):
     kernel (on the H200, the VAE module call at B=128 went from 47.5 to 28.7
     us for a 26 us kernel: bench/results/nvidia-h200-gpu-run.txt, run W and
     the seventh session's run 1).  Under ``torch.compile`` the op is called
-    as it is, so the graph records the op itself.
+    as it is, so the graph records the op itself.  Eager calls refuse
+    forward-mode AD first (:func:`_reject_forward_ad`).
     """
-    if torch.compiler.is_compiling() or _needs_grad(tensors):
+    if torch.compiler.is_compiling():
+        return op(*tensors, *scalars)
+    _reject_forward_ad(op, tensors)
+    if _needs_grad(tensors):
         return op(*tensors, *scalars)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*tensors, *scalars)
@@ -92,7 +127,8 @@ def importance_sampling(
     Differentiable with respect to every input, through the fused
     :func:`importance_sampling_backward` op (it recomputes the per-component
     terms; autograd saves the inputs and outputs only, no ``[N, K]`` or
-    ``[N, K, D]`` temporaries).  Double backward is not supported.
+    ``[N, K, D]`` temporaries).  Double backward and forward-mode AD
+    (``torch.func.jvp``, dual tensors) are not supported (RuntimeErrors).
     """
     return _call_op(
         torch.ops.fused_ops.importance_sampling.default,
@@ -233,7 +269,8 @@ def flow_euler(
     :func:`flow_euler_backward` op, which recomputes the trajectory from
     ``x0`` and runs the steps in reverse (memory: ``O(num_steps * B * D)``
     plus ``O(B * H)``, or ``O(num_steps * B * H)`` for small problems; see
-    there).  Double backward is not supported (a clear error).
+    there).  Double backward and forward-mode AD (``torch.func.jvp``, dual
+    tensors) are not supported (clear errors).
     """
     return _call_op(torch.ops.fused_ops.flow_euler.default, (x0, w1, b1, w2, b2, w3, b3), num_steps)
 
@@ -388,10 +425,13 @@ def vae_elbo(
     that needs gradients goes through ``fused_ops::vae_elbo_train`` instead,
     which keeps those activations (``B * (2H + 3L + I)`` elements) for
     ``fused_ops::vae_elbo_train_backward``; the results are the same.  Double
-    backward is not supported (a RuntimeError).
+    backward and forward-mode AD (``torch.func.jvp``, dual tensors) are not
+    supported (RuntimeErrors).
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
     if x.device.type == "cpu" and _needs_grad(args):
+        if not torch.compiler.is_compiling():
+            _reject_forward_ad(torch.ops.fused_ops.vae_elbo.default, args)
         elbo, recon, kl, _ = torch.ops.fused_ops.vae_elbo_train.default(*args)
         return elbo, recon, kl
     return _call_op(torch.ops.fused_ops.vae_elbo.default, args)
