@@ -10,6 +10,8 @@
 #       installs that wheel (built elsewhere, e.g. on the CI machine) instead of
 #       building, and runs everything against the installed package from a
 #       directory outside the source tree: the "one wheel" check of the stable ABI.
+#   SKIP_BUILD=1         use the extension the caller built in place
+#                        (python setup.py build_ext --inplace) instead of pip install -e
 #   TEST_SHARDS=2        runs the test files in that many pytest processes at
 #                        once (files dealt round-robin; one log per shard)
 #   SKIP_TESTS=1         no test stage (e.g. a sanitizer-only or timing-only run)
@@ -70,6 +72,10 @@ if [[ -n "${FUSED_OPS_WHEEL:-}" ]]; then
   # finds the installed wheel, never ./fused_ops of the source tree.
   RUN_DIR=$(mktemp -d)
   cp -r bench "$RUN_DIR/"
+elif [[ -n "${SKIP_BUILD:-}" ]]; then
+  # The caller built the extension in place (setup.py build_ext --inplace).
+  export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+  RUN_DIR=$REPO
 elif ! stage build $PY -m pip install --no-build-isolation --no-deps -v -e .; then
   tail -n 60 "$LOGS/build.log"
   tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -7,8 +7,8 @@ vae, vae_backward; all by default).
 
 Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
-memory) and float64; for flow_euler, the row path (the default D and H),
-the cluster path (sm_90, B <= 32), the
+memory) and float64; for flow_euler, the pair and row paths (the default D
+and H), the cluster path (sm_90, B <= 32), the
 3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32) and the
 general path (float64; float32 too large for both); for vae_elbo, the cluster,
 tiled and general paths (VAE_CASES) and the backward (VAE_BWD_CASES).  Each result is checked against the
@@ -44,8 +44,9 @@ CASES = [
 
 FLOW_CASES = [
     # (B, D, H, num_steps, dtype)    path exercised
-    (8, 64, 256, 4, torch.float32),  # row, default size
-    (3, 64, 256, 2, torch.float32),  # row
+    (8, 64, 256, 4, torch.float32),  # pair, default size
+    (3, 64, 256, 2, torch.float32),  # pair
+    (70, 64, 256, 1, torch.float32),  # row
     (3, 5, 20, 2, torch.float32),  # cluster, everything padded
     (32, 100, 130, 2, torch.float32),  # cluster, 4 row chunks, ragged neuron slices
     (1, 1, 3, 1, torch.float32),  # cluster, smallest

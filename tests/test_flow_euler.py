@@ -3,8 +3,10 @@ reference program (DESIGN.md sections 2.2, 3 and 4).
 
 CUDA kernel paths and the sizes that reach them (csrc/cuda/flow_euler.cu;
 B limits as on an H200, 132 SMs):
-  row      float32, D = 64 and H = 256 exactly, B <= the SM count and the
-           block's 227 KB of shared memory available: B = 1, 8, 129
+  pair     float32, D = 64 and H = 256 exactly, sm_90, B <= half the SM
+           count: B = 1, 8, 66
+  row      the same sizes, B <= the SM count and the block's ~200 KB of
+           shared memory available: B = 67, 129
   cluster  float32, sm_90, B <= 32 and the weights fit a cluster's shared
            memory: (B, D, H) = (1, 1, 3), (3, 5, 20), (32, 100, 130),
            (32, 64, 300) (long ragged k-segments)
@@ -70,15 +72,17 @@ def ref(args, steps):
 # (B, D, H, steps): every required B, D, steps value, hidden widths that are
 # not multiples of 32, and the sizes that reach each CUDA path (module doc).
 CASES = [
-    (8, 64, 256, 32),  # default size: row
-    (1, 64, 256, 1),  # row, one block
+    (8, 64, 256, 32),  # default size: pair
+    (1, 64, 256, 1),  # pair, one cluster
+    (66, 64, 256, 2),  # pair, the most rows
+    (67, 64, 256, 2),  # row, the fewest rows
     (129, 64, 256, 3),  # row, a block per SM but three
     (133, 64, 256, 2),  # tiled: one row more than an H200 has SMs
     (1, 1, 3, 1),  # cluster, smallest
     (3, 5, 20, 2),  # cluster
     (32, 100, 130, 7),  # cluster, largest B
     (32, 64, 300, 3),  # cluster, long ragged k-segments (4 row chunks)
-    (8, 64, 256, 100),  # row, many steps
+    (8, 64, 256, 100),  # pair, many steps
     (1, 100, 37, 32),
     (129, 100, 130, 7),  # tiled, ragged last tile
     (33, 5, 20, 2),  # tiled

@@ -1,5 +1,10 @@
-// CUDA kernels of fused_ops::flow_euler.  Four paths, chosen per call on the
+// CUDA kernels of fused_ops::flow_euler.  Five paths, chosen per call on the
 // host (flow_euler_cuda below) from the dtype, the sizes and the device:
+//
+// pair     float32 at exactly D = 64, H = 256 (the default), sm_90, B <= half
+//          the number of SMs: one launch, a cluster of two blocks per row
+//          that split layer 2 between them (its weights then fit in
+//          registers) and exchange h2 once per step.  See "pair path".
 //
 // row      float32 at exactly D = 64, H = 256 (the default), B <= the number
 //          of SMs, where a block may have ~200 KB of shared memory (sm_90):
@@ -751,6 +756,187 @@ void launch_row(const FlowEulerCall& c) {
 }
 
 // ---------------------------------------------------------------------------
+// pair path (the default D = 64, H = 256, B <= half the SM count; sm_90)
+// ---------------------------------------------------------------------------
+
+// Two blocks per batch row (a thread-block cluster of 2), which halves what
+// bounds the row path: each block computes layers 1 and 3 in full (the
+// same values in both blocks) but only its half of layer 2's 256 neurons,
+// so w2's half (32,768 floats) and w3 fit in registers, and only w1 streams
+// from shared memory each step (16,384 floats, against 49,152 in the row
+// path).  The price is one exchange per step instead of none: each block
+// stores its half of h2 into both blocks' copies (a distributed-shared-memory
+// store of 8 contiguous floats per warp) and a cluster barrier publishes
+// them, in place of the block barrier after layer 2.  h2 is double buffered
+// by step parity: a block may run one layer-2 ahead of its partner's layer
+// 3 (it cannot run two: the next cluster barrier waits for the partner).
+// Work split (groups of 8 lanes, lane s sums the k-range s):
+//   layer 1  as the row path; the weights from shared memory, each lane's
+//            8 float4s stored [chunk][thread] (conflict-free);
+//   layer 2  group g owns the block's neurons 2g, 2g+1 (of 128), 32 k per
+//            lane in registers; a 3-shuffle reduce-scatter (pair_reduce2);
+//   layer 3  as the row path.
+constexpr int kPairHalf = kRowH / 2;
+constexpr int kPairW1Chunks = 4 * kRowK1 / 4;  // float4s of w1 per thread: 4 neurons x 8 k
+static_assert(kRowThreads / 8 * 2 == kPairHalf, "a group per two layer-2 neurons");
+
+// Shared memory (floats): w1 [chunk][thread] float4s, w1's plain copy
+// (staging while loading), x, h1, h2 twice, biases (b1, w1's time column,
+// b2, b3).
+constexpr int kPairW1 = 0;
+constexpr int kPairStage = kPairW1 + kPairW1Chunks * kRowThreads * 4;
+constexpr int kPairX = kPairStage + (kRowH * (kRowD + 1) + 3) / 4 * 4;
+constexpr int kPairH1 = kPairX + row_pad(kRowD);
+constexpr int kPairH2 = kPairH1 + row_pad(kRowH);  // two buffers of row_pad(kRowH)
+constexpr int kPairB1 = kPairH2 + 2 * row_pad(kRowH);
+constexpr int kPairWT = kPairB1 + kRowH;
+constexpr int kPairB2 = kPairWT + kRowH;
+constexpr int kPairB3 = kPairB2 + kRowH;
+constexpr size_t kPairSmem = sizeof(float) * size_t(kPairB3 + kRowD);
+
+// Sums of two neurons' partials over the 8 lanes of a group, returned for
+// neuron lane bit 2 (all four lanes that share it get the identical value:
+// each step adds the same two numbers on both lanes).  Fixed order.
+__device__ __forceinline__ float pair_reduce2(const float (&v)[2]) {
+  const bool hi = int(threadIdx.x) & 4;
+  float a = hi ? v[1] : v[0];
+  a += __shfl_xor_sync(kFullMask, hi ? v[0] : v[1], 4);
+  a += __shfl_xor_sync(kFullMask, a, 2);
+  return a + __shfl_xor_sync(kFullMask, a, 1);
+}
+
+__global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float4 pair_smem4[];
+  float* smem = reinterpret_cast<float*>(pair_smem4);
+  float* const xs = smem + kPairX;
+  float* const h1 = smem + kPairH1;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), peer = rank ^ 1;
+  const int tid = threadIdx.x;
+  const int g = tid >> 3, s = tid & 7;
+  const int own = 4 * g + 2 * ((tid >> 2) & 1) + ((tid >> 1) & 1);  // layer-1 neuron (row_reduce4)
+  const int own2 = kPairHalf * rank + 2 * g + ((tid >> 2) & 1);       // layer-2 neuron (pair_reduce2)
+  const int64_t row = blockIdx.x / 2;
+
+  // Loading: w1 copied whole (coalesced, cp.async where aligned) and
+  // rearranged by each thread into its own chunks; the register weights
+  // (w2's half, w3) straight from global memory as float4s, all in flight
+  // at once; the scalar fallbacks serve misaligned tensors.
+  row_copy<kRowH * (kRowD + 1) / 4>(smem + kPairStage, a.w1, [](int f) { return f; });
+  float w2r[2][kRowK2], w3r[kRowK3];
+  const bool vec2 = reinterpret_cast<uintptr_t>(a.w2) % 16 == 0;
+  const bool vec3 = reinterpret_cast<uintptr_t>(a.w3) % 16 == 0;
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < kRowK2; e += 4) {
+      const float4 v = row_load4(a.w2 + (kPairHalf * rank + 2 * g + j) * kRowH + kRowK2 * s + e, vec2);
+      w2r[j][e] = v.x, w2r[j][e + 1] = v.y, w2r[j][e + 2] = v.z, w2r[j][e + 3] = v.w;
+    }
+#pragma unroll
+  for (int e = 0; e < kRowK3; e += 4) {
+    const float4 v = row_load4(a.w3 + g * kRowH + kRowK3 * s + e, vec3);
+    w3r[e] = v.x, w3r[e + 1] = v.y, w3r[e + 2] = v.z, w3r[e + 3] = v.w;
+  }
+  for (int j = tid; j < kRowH; j += kRowThreads) {
+    smem[kPairB1 + j] = a.b1[j];
+    smem[kPairWT + j] = a.w1[j * (kRowD + 1) + kRowD];
+    smem[kPairB2 + j] = a.b2[j];
+  }
+  for (int d = tid; d < kRowD; d += kRowThreads) {
+    smem[kPairB3 + d] = a.b3[d];
+    xs[row_pad(d)] = a.x0[row * kRowD + d];
+  }
+  row_copies_done();
+  // Each thread reads only the chunks it writes here: no barrier after.
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int q = 0; q < kRowK1 / 4; ++q) {
+      const float* w = smem + kPairStage + (4 * g + i) * (kRowD + 1) + kRowK1 * s + 4 * q;
+      pair_smem4[(i * (kRowK1 / 4) + q) * kRowThreads + tid] = make_float4(w[0], w[1], w[2], w[3]);
+    }
+  // Both blocks running and initialised before either stores into the other.
+  cluster.sync();
+
+  const float4* w1s = pair_smem4 + tid;
+  for (int step = 0; step < a.num_steps; ++step) {
+    const float t = flow_step_time<float>(step, a.num_steps);
+    float* const h2 = smem + kPairH2 + (step & 1) * row_pad(kRowH);
+    {  // h1 = silu(w1 [x, t] + b1), all 256 neurons
+      const float sum = row_dots4<kRowK1>(xs + row_pad(kRowK1 * s), [&](int i, int k) {
+        return w1s[(i * (kRowK1 / 4) + k / 4) * kRowThreads];
+      });
+      if ((tid & 1) == 0) h1[row_pad(own)] = silu(sum + t * smem[kPairWT + own] + smem[kPairB1 + own]);
+    }
+    __syncthreads();
+    {  // h2 = silu(w2 h1 + b2), this block's half, stored into both blocks
+      const float* in = h1 + row_pad(kRowK2 * s);
+      float acc[2] = {0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kRowK2; k += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(in + k);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          row_fma4(acc[j], make_float4(w2r[j][k], w2r[j][k + 1], w2r[j][k + 2], w2r[j][k + 3]), v);
+        }
+      }
+      const float sum = pair_reduce2(acc);
+      if ((tid & 3) == 0) {
+        const float value = silu(sum + smem[kPairB2 + own2]);
+        float* const dst = h2 + row_pad(own2);
+        *dst = value;
+        *cluster.map_shared_rank(dst, peer) = value;
+      }
+    }
+    cluster.sync();
+    {  // x += dt * (w3 h2 + b3), all 64 outputs (the same values in both blocks)
+      const float* in = h2 + row_pad(kRowK3 * s);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kRowK3; k += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(in + k);
+        acc[0] = fmaf(w3r[k], v.x, acc[0]);
+        acc[1] = fmaf(w3r[k + 1], v.y, acc[1]);
+        acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
+        acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
+      }
+      float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      sum += __shfl_xor_sync(kFullMask, sum, 4);
+      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      sum += __shfl_xor_sync(kFullMask, sum, 1);
+      if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], a.dt, sum + smem[kPairB3 + g]);
+    }
+    __syncthreads();
+  }
+  // After the last cluster barrier neither block touches the other's
+  // shared memory; x is the same in both.
+  if (rank == 0) {
+    for (int k = tid; k < kRowD; k += kRowThreads) a.x[row * kRowD + k] = xs[row_pad(k)];
+  }
+#else
+  __trap();  // launched only on compute capability >= 9.0
+#endif
+}
+
+// Whether the pair path takes this call: float32 at exactly the default D
+// and H, two blocks per row fit on the device at once (one wave), sm_90.
+bool pair_applies(const FlowEulerCall& c) {
+  if (c.x.scalar_type() != ScalarType::Float || c.D != kRowD || c.H != kRowH) return false;
+  if (cuda::compute_capability_major() < 9) return false;
+  if (2 * c.B > cuda::multiprocessor_count(cuda::current_device())) return false;
+  return cuda::cluster_fits(flow_pair_kernel, 2, kRowThreads, kPairSmem);
+}
+
+void launch_pair(const FlowEulerCall& c) {
+  cuda::allow_dynamic_smem(flow_pair_kernel, kPairSmem);
+  const cuda::ClusterLaunch launch(2 * c.B, 2, kRowThreads, kPairSmem, cuda::current_stream(cuda::current_device()));
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, flow_pair_kernel, flow_params(c)));
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------
 // tiled path (sm_80+, 3xTF32 tensor cores)
 // ---------------------------------------------------------------------------
 
@@ -1052,7 +1238,9 @@ Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, con
   // Path rule (see the file comment): cluster for small float32 batches on
   // sm_90 when the weight slices fit, else the tensor-core tile kernel for
   // float32 on sm_80+ when a tile fits, else the general kernels.
-  if (row_applies(c)) {
+  if (pair_applies(c)) {
+    launch_pair(c);
+  } else if (row_applies(c)) {
     launch_row(c);
   } else if (const int blocks = cluster_blocks_for(c)) {
     launch_cluster(c, blocks);
