@@ -85,9 +85,9 @@ def test_plain_inputs_inside_forward_ad_work(name, device):
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert torch.equal(g, w)
     # Inside torch.func.jvp, a call whose inputs do not depend on the primal.
-    out, tangent = torch.func.jvp(lambda p: p * 2 + _first(fn(*args, *scalars)).sum(), (torch.ones(2),),
-                                  (torch.ones(2),))
-    assert torch.equal(tangent, torch.full((2,), 2.0))
+    ones = torch.ones(2, device=device)
+    out, tangent = torch.func.jvp(lambda p: p * 2 + _first(fn(*args, *scalars)).sum(), (ones,), (ones,))
+    assert torch.equal(tangent, torch.full((2,), 2.0, device=device))
 
 
 def test_module_with_dual_input_raises(device):
