@@ -776,6 +776,9 @@ void launch_row(const FlowEulerCall& c) {
 //   layer 2  group g owns the block's neurons 2g, 2g+1 (of 128), 32 k per
 //            lane in registers; a 3-shuffle reduce-scatter (pair_reduce2);
 //   layer 3  as the row path.
+// Measured on the H200 (eighth session's run 8 in bench/results/
+// nvidia-h200-gpu-run.txt): 65.1 us per call at the default (row path:
+// 78.2 us, the 16-block cluster path ~160 us).
 constexpr int kPairHalf = kRowH / 2;
 constexpr int kPairW1Chunks = 4 * kRowK1 / 4;  // float4s of w1 per thread: 4 neurons x 8 k
 static_assert(kRowThreads / 8 * 2 == kPairHalf, "a group per two layer-2 neurons");
