@@ -605,6 +605,30 @@ __device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
   return row_reduce4(acc);
 }
 
+// Layer 3 of the row and pair paths: x[d] += dt * (w3[d] . h2 + b3) for the
+// group's output d = g, lane s summing k in [32 s, 32 s + 32) with its
+// register weights w3r (four partial sums, then a 3-shuffle butterfly);
+// lane 0 of the group writes.
+__device__ __forceinline__ void row_euler_update(float* xs, const float* h2, const float (&w3r)[kRowK3],
+                                                 float b3, float dt) {
+  const int g = int(threadIdx.x) >> 3, s = int(threadIdx.x) & 7;
+  const float* in = h2 + row_pad(kRowK3 * s);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < kRowK3; k += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(in + k);
+    acc[0] = fmaf(w3r[k], v.x, acc[0]);
+    acc[1] = fmaf(w3r[k + 1], v.y, acc[1]);
+    acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
+    acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
+  }
+  float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  sum += __shfl_xor_sync(kFullMask, sum, 4);
+  sum += __shfl_xor_sync(kFullMask, sum, 2);
+  sum += __shfl_xor_sync(kFullMask, sum, 1);
+  if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], dt, sum + b3);
+}
+
 // v = p[0..3] as one float4 load when `vec` (16-byte aligned), else four.
 __device__ __forceinline__ float4 row_load4(const float* p, bool vec) {
   return vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
@@ -717,23 +741,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) 
       if ((tid & 1) == 0) h2[row_pad(own)] = silu(sum + b2);
     }
     __syncthreads();
-    {  // x += dt * (w3 h2 + b3)
-      const float* in = h2 + row_pad(kRowK3 * s);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < kRowK3; k += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(in + k);
-        acc[0] = fmaf(w3r[k], v.x, acc[0]);
-        acc[1] = fmaf(w3r[k + 1], v.y, acc[1]);
-        acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
-        acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
-      }
-      float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-      sum += __shfl_xor_sync(kFullMask, sum, 4);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], a.dt, sum + b3);
-    }
+    row_euler_update(xs, h2, w3r, b3, a.dt);  // x += dt * (w3 h2 + b3)
     __syncthreads();
   }
   for (int k = tid; k < kRowD; k += kRowThreads) a.x[row * kRowD + k] = xs[row_pad(k)];
@@ -894,23 +902,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a)
       }
     }
     cluster.sync();
-    {  // x += dt * (w3 h2 + b3), all 64 outputs (the same values in both blocks)
-      const float* in = h2 + row_pad(kRowK3 * s);
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < kRowK3; k += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(in + k);
-        acc[0] = fmaf(w3r[k], v.x, acc[0]);
-        acc[1] = fmaf(w3r[k + 1], v.y, acc[1]);
-        acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
-        acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
-      }
-      float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-      sum += __shfl_xor_sync(kFullMask, sum, 4);
-      sum += __shfl_xor_sync(kFullMask, sum, 2);
-      sum += __shfl_xor_sync(kFullMask, sum, 1);
-      if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], a.dt, sum + smem[kPairB3 + g]);
-    }
+    // x += dt * (w3 h2 + b3), all 64 outputs (the same values in both blocks)
+    row_euler_update(xs, h2, w3r, smem[kPairB3 + g], a.dt);
     __syncthreads();
   }
   // After the last cluster barrier neither block touches the other's
