@@ -210,7 +210,12 @@ def test_non_contiguous_inputs(layout, B, D, H, device):
         assert torch.equal(a, b)
     got = OP(*odd, 4)
     assert got.is_contiguous()
-    assert torch.equal(got, OP(*args, 4))
+    if layout == "misaligned" and device == "cpu":
+        # The CPU's BLAS rounds differently for weights that do not start on
+        # a 64-byte boundary (the op's docstring); the CUDA kernels do not.
+        torch.testing.assert_close(got, OP(*args, 4), **tol(torch.float32))
+    else:
+        assert torch.equal(got, OP(*args, 4))
     torch.testing.assert_close(got, ref(args, 4), **tol(torch.float32))
 
 
