@@ -263,9 +263,10 @@ def flow_euler(
     Returns ``x [B, D]`` (contiguous).  Results are bitwise reproducible for
     the same inputs on the same device (on the CPU also for the same
     alignment of the weights in memory: the BLAS rounds differently for a
-    weight tensor that does not start on a 64-byte boundary).  ``dt`` and ``t`` are rounded from
-    double to the tensors' dtype, as ``torch.tensor(1.0 / num_steps)`` rounds
-    the reference module's ``dt`` buffer in float32.
+    weight tensor that does not start on a 64-byte boundary).  ``dt`` and
+    ``t`` are rounded from double to the tensors' dtype, as
+    ``torch.tensor(1.0 / num_steps)`` rounds the reference module's ``dt``
+    buffer in float32.
 
     Differentiable with respect to every tensor input through the fused
     :func:`flow_euler_backward` op, which recomputes the trajectory from
