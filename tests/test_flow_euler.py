@@ -192,7 +192,7 @@ LAYOUTS = {
     # Every tensor a strided slice of a larger one.
     "strided": lambda t: (torch.stack([t, torch.full_like(t, float("nan"))], -1)[..., 0]),
     # Contiguous, but starting one element into a buffer: not 16-byte aligned
-    # (the CUDA row path's float4 weight loads need alignment and decline).
+    # (the CUDA pair and row paths read weights as float4s only where aligned).
     "misaligned": lambda t: torch.cat([t.new_full((1,), float("nan")), t.flatten()])[1:].view_as(t),
 }
 
