@@ -682,20 +682,10 @@ __device__ __forceinline__ void decoder_pass(float (&rsum)[2 * kMT], const Args<
   float acc[kMT][NT][4];
   zero_acc(acc);
   mma_rows64<NT>(acc, gs, w, tile0, w.ksteps);
-  const int lane = threadIdx.x % cuda::kWarpSize;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = mt * 16 + lane / 4 + (i >= 2 ? 8 : 0);
-        const int n = (tile0 + nt) * 8 + 2 * (lane % 4) + (i & 1);
-        if (n < a.I && r < rows) {
-          rsum[2 * mt + (i >= 2)] +=
-              bce_term(acc[mt][nt][i] + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
-        }
-      }
+  // Row r = 16 mt + g + 8 j (g = lane / 4 < 8) lands in rsum[2 mt + j] = rsum[r / 8].
+  for_each_acc(acc, tile0 * 8, [&](int r, int n, float v) {
+    if (n < a.I && r < rows) rsum[r / 8] += bce_term(v + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
+  });
 }
 
 __global__ void __launch_bounds__(kThreads, 1) vae_elbo_tiled_kernel(const Args<float> a, const TiledWeights w) {
