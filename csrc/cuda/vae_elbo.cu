@@ -81,6 +81,16 @@ __device__ __forceinline__ T clamp_log(T v) {
   return v < T(-100) ? T(-100) : v;  // NaN stays NaN, like std::max(NaN, -100)
 }
 
+// A row's three outputs from its BCE sum and its sum of KL terms
+// (kl = -0.5 * sum), as every kernel writes them.
+template <typename T, typename Row>
+__device__ __forceinline__ void store_losses(const Args<T>& a, Row row, T recon, T kl_sum) {
+  const T kl = T(-0.5) * kl_sum;
+  a.recon[row] = recon;
+  a.kl[row] = kl;
+  a.elbo[row] = -(recon + kl);
+}
+
 // One BCE term of PyTorch's binary_cross_entropy for the logit a and target x.
 template <typename T>
 __device__ __forceinline__ T bce_term(T a, T x) {
@@ -443,11 +453,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
       recon += rall[p * kRows + threadIdx.x];
       kl_sum += klall[p * kRows + threadIdx.x];
     }
-    const float kl = -0.5f * kl_sum;
-    const int row = row0 + threadIdx.x;
-    a.recon[row] = recon;
-    a.kl[row] = kl;
-    a.elbo[row] = -(recon + kl);
+    store_losses(a, row0 + int(threadIdx.x), recon, kl_sum);
   }
 #else
   __trap();  // launched only on compute capability >= 9.0
@@ -503,10 +509,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
   if (threadIdx.x == 0) {
     T kl_sum = T(0);
     for (int l = 0; l < L; ++l) kl_sum += terms[l];
-    const T kl = T(-0.5) * kl_sum;
-    a.recon[row] = recon;
-    a.kl[row] = kl;
-    a.elbo[row] = -(recon + kl);
+    store_losses(a, row, recon, kl_sum);
   }
 }
 
@@ -813,11 +816,7 @@ __global__ void __launch_bounds__(kThreads, 1) vae_elbo_tiled_kernel(const Args<
   if (int(threadIdx.x) < rows) {
     float recon = 0.0f;
     for (int w = 0; w < kWarps; ++w) recon += wpart[w * kTileRows + threadIdx.x];
-    const float kl = -0.5f * klrow[threadIdx.x];
-    const int row = row0 + threadIdx.x;
-    a.recon[row] = recon;
-    a.kl[row] = kl;
-    a.elbo[row] = -(recon + kl);
+    store_losses(a, row0 + int(threadIdx.x), recon, klrow[threadIdx.x]);
   }
 #else
   __trap();  // launched only on compute capability >= 8.0
