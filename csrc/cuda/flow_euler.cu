@@ -521,8 +521,9 @@ void launch_cluster(const FlowEulerCall& c, int num_blocks) {
 // row path (the default D = 64, H = 256; sm_90-size shared memory)
 // ---------------------------------------------------------------------------
 
-// One block per batch row, all 98,560 weights held by that block for the
-// whole integration: 96 per thread in registers (49,152), the rest (three
+// One block per batch row (taken for B between half the SM count and the
+// SM count; below, the pair path is faster), all 98,560 weights held by
+// that block for the whole integration: 96 per thread in registers (49,152), the rest (three
 // quarters of w2) in shared memory (192 KB).  Rows are independent, so
 // blocks never talk to each other and a layer ends with a block barrier,
 // not a cluster barrier plus an exchange (the cluster path's ~2.3 us per
