@@ -590,19 +590,27 @@ __device__ __forceinline__ void row_fma4(float& acc, const float4& w, const floa
   acc = fmaf(w.w, v.w, acc);
 }
 
-// Layers 1 and 2: this lane's partial sums of its group's four neurons over
-// its K-float range `in` (weights(i, k): neuron i's weights k .. k+3 as a
-// float4), reduced over the group (row_reduce4).  Fully unrolled, so the
-// register weights are indexed by constants.
-template <int K, typename Weights>
-__device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+// This lane's partial sums of N neurons over its K-float range `in`
+// (weights(i, k): neuron i's weights k .. k+3 as a float4), one chain per
+// neuron.  Fully unrolled, so register weights are indexed by constants.
+template <int N, int K, typename Weights>
+__device__ __forceinline__ void row_partial_dots(float (&acc)[N], const float* in, Weights weights) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int k = 0; k < K; k += 4) {
     const float4 v = *reinterpret_cast<const float4*>(in + k);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) row_fma4(acc[i], weights(i, k), v);
+    for (int i = 0; i < N; ++i) row_fma4(acc[i], weights(i, k), v);
   }
+}
+
+// Layers 1 and 2 of the row path (layer 1 of the pair path): the group's
+// four neurons, reduced over the group (row_reduce4).
+template <int K, typename Weights>
+__device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
+  float acc[4];
+  row_partial_dots<4, K>(acc, in, weights);
   return row_reduce4(acc);
 }
 
@@ -884,16 +892,10 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a)
     }
     __syncthreads();
     {  // h2 = silu(w2 h1 + b2), this block's half, stored into both blocks
-      const float* in = h1 + row_pad(kRowK2 * s);
-      float acc[2] = {0.f, 0.f};
-#pragma unroll
-      for (int k = 0; k < kRowK2; k += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(in + k);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          row_fma4(acc[j], make_float4(w2r[j][k], w2r[j][k + 1], w2r[j][k + 2], w2r[j][k + 3]), v);
-        }
-      }
+      float acc[2];
+      row_partial_dots<2, kRowK2>(acc, h1 + row_pad(kRowK2 * s), [&](int j, int k) {
+        return make_float4(w2r[j][k], w2r[j][k + 1], w2r[j][k + 2], w2r[j][k + 3]);
+      });
       const float sum = pair_reduce2(acc);
       if ((tid & 3) == 0) {
         const float value = silu(sum + smem[kPairB2 + own2]);
