@@ -756,11 +756,17 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) 
   for (int k = tid; k < kRowD; k += kRowThreads) a.x[row * kRowD + k] = xs[row_pad(k)];
 }
 
-// Whether the row path takes this call: float32 at exactly the default D and
-// H, one block per SM for all rows (one wave; beyond it the tiled path's
-// tensor cores win), and the block's shared memory available (sm_90).
+// float32 at exactly the default D and H: the sizes the row and pair
+// kernels are written for.
+bool row_sizes(const FlowEulerCall& c) {
+  return c.x.scalar_type() == ScalarType::Float && c.D == kRowD && c.H == kRowH;
+}
+
+// Whether the row path takes this call: row_sizes, one block per SM for all
+// rows (one wave; beyond it the tiled path's tensor cores win), and the
+// block's shared memory available (sm_90).
 bool row_applies(const FlowEulerCall& c) {
-  if (c.x.scalar_type() != ScalarType::Float || c.D != kRowD || c.H != kRowH) return false;
+  if (!row_sizes(c)) return false;
   if (c.B > cuda::multiprocessor_count(cuda::current_device())) return false;
   return kRowSmem <= cuda::max_shared_memory_per_block();
 }
@@ -919,10 +925,10 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a)
 #endif
 }
 
-// Whether the pair path takes this call: float32 at exactly the default D
-// and H, two blocks per row fit on the device at once (one wave), sm_90.
+// Whether the pair path takes this call: row_sizes, two blocks per row fit
+// on the device at once (one wave), sm_90.
 bool pair_applies(const FlowEulerCall& c) {
-  if (c.x.scalar_type() != ScalarType::Float || c.D != kRowD || c.H != kRowH) return false;
+  if (!row_sizes(c)) return false;
   if (cuda::compute_capability_major() < 9) return false;
   if (2 * c.B > cuda::multiprocessor_count(cuda::current_device())) return false;
   return cuda::cluster_fits(flow_pair_kernel, 2, kRowThreads, kPairSmem);
@@ -1234,9 +1240,11 @@ Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, con
   FUSED_OPS_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", device_str(x0));
   FUSED_OPS_CHECK(num_steps <= INT_MAX, "num_steps must fit in int32, got ", num_steps);
   if (c.B == 0) return c.x;
-  // Path rule (see the file comment): cluster for small float32 batches on
-  // sm_90 when the weight slices fit, else the tensor-core tile kernel for
-  // float32 on sm_80+ when a tile fits, else the general kernels.
+  // Path rule (see the file comment): at the default D and H in float32 the
+  // pair path up to half the SMs' worth of rows, then the row path up to
+  // one row per SM; else the cluster path for small float32 batches on
+  // sm_90 when the weight slices fit, the tensor-core tile kernel for
+  // float32 on sm_80+ when a tile fits, the general kernels otherwise.
   if (pair_applies(c)) {
     launch_pair(c);
   } else if (row_applies(c)) {
