@@ -7,7 +7,7 @@ vae, vae_backward; all by default).
 
 Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
-memory) and float64; for flow_euler, the pair and row paths (the default D
+memory) and float64; for flow_euler, the split (4 and 2 blocks per row) and row paths (the default D
 and H), the cluster path (sm_90, B <= 32), the
 3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32) and the
 general path (float64; float32 too large for both); for vae_elbo, the cluster,
@@ -44,8 +44,9 @@ CASES = [
 
 FLOW_CASES = [
     # (B, D, H, num_steps, dtype)    path exercised
-    (8, 64, 256, 4, torch.float32),  # pair, default size
-    (3, 64, 256, 2, torch.float32),  # pair
+    (8, 64, 256, 4, torch.float32),  # split (4 blocks per row), default size
+    (3, 64, 256, 2, torch.float32),  # split (4)
+    (40, 64, 256, 3, torch.float32),  # split (2 blocks per row)
     (70, 64, 256, 1, torch.float32),  # row
     (3, 5, 20, 2, torch.float32),  # cluster, everything padded
     (32, 100, 130, 2, torch.float32),  # cluster, 4 row chunks, ragged neuron slices

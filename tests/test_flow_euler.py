@@ -3,8 +3,9 @@ reference program (DESIGN.md sections 2.2, 3 and 4).
 
 CUDA kernel paths and the sizes that reach them (csrc/cuda/flow_euler.cu;
 B limits as on an H200, 132 SMs):
-  pair     float32, D = 64 and H = 256 exactly, sm_90, B <= half the SM
-           count: B = 1, 8, 66
+  split    float32, D = 64 and H = 256 exactly, sm_90: four blocks per row
+           for B <= a quarter of the SM count (B = 1, 8, 33), two for B <=
+           half of it (B = 34, 40, 66)
   row      the same sizes, B <= the SM count and the block's ~200 KB of
            shared memory available: B = 67, 129
   cluster  float32, sm_90, B <= 32 and the weights fit a cluster's shared
@@ -72,9 +73,11 @@ def ref(args, steps):
 # (B, D, H, steps): every required B, D, steps value, hidden widths that are
 # not multiples of 32, and the sizes that reach each CUDA path (module doc).
 CASES = [
-    (8, 64, 256, 32),  # default size: pair
-    (1, 64, 256, 1),  # pair, one cluster
-    (66, 64, 256, 2),  # pair, the most rows
+    (8, 64, 256, 32),  # default size: split, 4 blocks per row
+    (1, 64, 256, 1),  # split (4), one cluster
+    (33, 64, 256, 2),  # split (4), the most rows
+    (34, 64, 256, 2),  # split, 2 blocks per row, the fewest rows
+    (66, 64, 256, 2),  # split (2), the most rows
     (67, 64, 256, 2),  # row, the fewest rows
     (129, 64, 256, 3),  # row, a block per SM but three
     (133, 64, 256, 2),  # tiled: one row more than an H200 has SMs
@@ -82,7 +85,7 @@ CASES = [
     (3, 5, 20, 2),  # cluster
     (32, 100, 130, 7),  # cluster, largest B
     (32, 64, 300, 3),  # cluster, long ragged k-segments (4 row chunks)
-    (8, 64, 256, 100),  # pair, many steps
+    (8, 64, 256, 100),  # split (4), many steps
     (1, 100, 37, 32),
     (129, 100, 130, 7),  # tiled, ragged last tile
     (33, 5, 20, 2),  # tiled
@@ -192,13 +195,15 @@ LAYOUTS = {
     # Every tensor a strided slice of a larger one.
     "strided": lambda t: (torch.stack([t, torch.full_like(t, float("nan"))], -1)[..., 0]),
     # Contiguous, but starting one element into a buffer: not 16-byte aligned
-    # (the CUDA pair and row paths read weights as float4s only where aligned).
+    # (the CUDA split and row paths read weights as float4s only where aligned).
     "misaligned": lambda t: torch.cat([t.new_full((1,), float("nan")), t.flatten()])[1:].view_as(t),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("B,D,H", [(8, 64, 256), (129, 5, 37)], ids=["B8", "B129"])
+@pytest.mark.parametrize(
+    "B,D,H", [(8, 64, 256), (40, 64, 256), (70, 64, 256), (129, 5, 37)], ids=["B8", "B40", "B70", "B129"]
+)
 def test_non_contiguous_inputs(layout, B, D, H, device):
     args = make_args(B, D, H, device=device)
     odd = [LAYOUTS[layout](a) for a in args]

@@ -1,10 +1,11 @@
 // CUDA kernels of fused_ops::flow_euler.  Five paths, chosen per call on the
 // host (flow_euler_cuda below) from the dtype, the sizes and the device:
 //
-// pair     float32 at exactly D = 64, H = 256 (the default), sm_90, B <= half
-//          the number of SMs: one launch, a cluster of two blocks per row
-//          that split layer 2 between them (its weights then fit in
-//          registers) and exchange h2 once per step.  See "pair path".
+// split    float32 at exactly D = 64, H = 256 (the default), sm_90, B <= half
+//          the number of SMs: one launch, a cluster of four blocks per row
+//          (two when B > a quarter of the SMs) that split layer 2 between
+//          them (every weight then fits in registers) and exchange h2 once
+//          per step by asynchronous stores.  See "split path".
 //
 // row      float32 at exactly D = 64, H = 256 (the default), B <= the number
 //          of SMs, where a block may have ~200 KB of shared memory (sm_90):
@@ -88,6 +89,7 @@
 
 #include "cuda/cp_async.cuh"
 #include "cuda/int_divider.cuh"
+#include "cuda/mbarrier.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
@@ -522,7 +524,7 @@ void launch_cluster(const FlowEulerCall& c, int num_blocks) {
 // ---------------------------------------------------------------------------
 
 // One block per batch row (taken for B between half the SM count and the
-// SM count; below, the pair path is faster), all 98,560 weights held by
+// SM count; below, the split path is faster), all 98,560 weights held by
 // that block for the whole integration: 96 per thread in registers (49,152), the rest (three
 // quarters of w2) in shared memory (192 KB).  Rows are independent, so
 // blocks never talk to each other and a layer ends with a block barrier,
@@ -605,7 +607,7 @@ __device__ __forceinline__ void row_partial_dots(float (&acc)[N], const float* i
   }
 }
 
-// Layers 1 and 2 of the row path (layer 1 of the pair path): the group's
+// Layers 1 and 2 of the row path (layer 1 of the split path): the group's
 // four neurons, reduced over the group (row_reduce4).
 template <int K, typename Weights>
 __device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
@@ -614,7 +616,7 @@ __device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
   return row_reduce4(acc);
 }
 
-// Layer 3 of the row and pair paths: x[d] += dt * (w3[d] . h2 + b3) for the
+// Layer 3 of the row and split paths: x[d] += dt * (w3[d] . h2 + b3) for the
 // group's output d = g, lane s summing k in [32 s, 32 s + 32) with its
 // register weights w3r (four partial sums, then a 3-shuffle butterfly);
 // lane 0 of the group writes.
@@ -756,7 +758,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_row_kernel(FlowParams a) 
   for (int k = tid; k < kRowD; k += kRowThreads) a.x[row * kRowD + k] = xs[row_pad(k)];
 }
 
-// float32 at exactly the default D and H: the sizes the row and pair
+// float32 at exactly the default D and H: the sizes the row and split
 // kernels are written for.
 bool row_sizes(const FlowEulerCall& c) {
   return c.x.scalar_type() == ScalarType::Float && c.D == kRowD && c.H == kRowH;
@@ -779,46 +781,67 @@ void launch_row(const FlowEulerCall& c) {
 }
 
 // ---------------------------------------------------------------------------
-// pair path (the default D = 64, H = 256, B <= half the SM count; sm_90)
+// split path (the default D = 64, H = 256, B <= half the SM count; sm_90)
 // ---------------------------------------------------------------------------
 
-// Two blocks per batch row (a thread-block cluster of 2), which halves what
-// bounds the row path: each block computes layers 1 and 3 in full (the
-// same values in both blocks) but only its half of layer 2's 256 neurons,
-// so w2's half (32,768 floats) and w3 fit in registers, and only w1 streams
-// from shared memory each step (16,384 floats, against 49,152 in the row
-// path).  The price is one exchange per step instead of none: each block
-// stores its half of h2 into both blocks' copies (a distributed-shared-memory
-// store of 8 contiguous floats per warp) and a cluster barrier publishes
-// them, in place of the block barrier after layer 2.  h2 is double buffered
-// by step parity: a block may run one layer-2 ahead of its partner's layer
-// 3 (it cannot run two: the next cluster barrier waits for the partner).
+// C = 4 or 2 blocks per batch row (a thread-block cluster of C), which
+// removes what bounds the row path: each block computes layers 1 and 3 in
+// full (the same values in every block of the cluster) but only its 1/C of
+// layer 2's 256 neurons.  With C = 4 (B <= a quarter of the SM count) every
+// weight a block uses fits in its registers (w1, w2's quarter and w3: 96
+// floats per thread) and no weight is read from shared memory in the loop;
+// with C = 2 (B <= half the SM count) w2's half and w3 fill the registers
+// and w1 streams from shared memory each step (16,384 floats, against
+// 49,152 in the row path).  The price is one exchange per step instead of
+// none: each block stores its slice of h2 into its own copy and, by
+// st.async, into every partner's (cuda/mbarrier.cuh); after the block
+// barrier that publishes its own slice it waits on an mbarrier that
+// completes when the partners' bytes have landed -- no cluster barrier.
+// h2 and its mbarrier are double buffered by step parity: a block may run
+// one layer-2 ahead of a partner's layer 3, never two (its layer 3 needs
+// the partner's next slice, which the partner computes only after its own
+// layer 3), so a store never lands in a buffer still being read, nor on a
+// phase still open.
 // Work split (groups of 8 lanes, lane s sums the k-range s):
-//   layer 1  as the row path; the weights from shared memory, each lane's
-//            8 float4s stored [chunk][thread] (conflict-free);
-//   layer 2  group g owns the block's neurons 2g, 2g+1 (of 128), 32 k per
-//            lane in registers; a 3-shuffle reduce-scatter (pair_reduce2);
+//   layer 1  as the row path (C = 4: the same registers; C = 2: each lane's
+//            8 float4s in shared memory, stored [chunk][thread]:
+//            conflict-free);
+//   layer 2  group g owns the block's neurons 4g/C .. (4g+4)/C - 1, 32 k per
+//            lane in registers; C = 2: a 3-shuffle reduce-scatter
+//            (pair_reduce2), C = 4: a 3-shuffle butterfly;
 //   layer 3  as the row path.
-// Measured on the H200 (eighth session's run 8 in bench/results/
-// nvidia-h200-gpu-run.txt): 65.1 us per call at the default (row path:
-// 78.2 us, the 16-block cluster path ~160 us).
-constexpr int kPairHalf = kRowH / 2;
-constexpr int kPairW1Chunks = 4 * kRowK1 / 4;  // float4s of w1 per thread: 4 neurons x 8 k
-static_assert(kRowThreads / 8 * 2 == kPairHalf, "a group per two layer-2 neurons");
-
-// Shared memory (floats): w1 [chunk][thread] float4s, w1's plain copy
-// (staging while loading), x, h1, h2 twice, biases (b1, w1's time column,
-// b2, b3).
-constexpr int kPairW1 = 0;
-constexpr int kPairStage = kPairW1 + kPairW1Chunks * kRowThreads * 4;
-constexpr int kPairX = kPairStage + (kRowH * (kRowD + 1) + 3) / 4 * 4;
-constexpr int kPairH1 = kPairX + row_pad(kRowD);
-constexpr int kPairH2 = kPairH1 + row_pad(kRowH);  // two buffers of row_pad(kRowH)
-constexpr int kPairB1 = kPairH2 + 2 * row_pad(kRowH);
-constexpr int kPairWT = kPairB1 + kRowH;
-constexpr int kPairB2 = kPairWT + kRowH;
-constexpr int kPairB3 = kPairB2 + kRowH;
-constexpr size_t kPairSmem = sizeof(float) * size_t(kPairB3 + kRowD);
+// Measured on the H200 (bench/results/nvidia-h200-gpu-run.txt): C = 2 with
+// a cluster barrier per step instead of the mbarrier, 65.1 us per call at
+// the default (eighth session's run 8); C = 2 with an mbarrier that also
+// counted one arrival per local warp instead of the block barrier 60.6 us
+// (ninth session's run 1; compute-sanitizer's racecheck cannot follow a
+// warp's stores through its lane 0's arrival, so it reported races); the
+// row path 78.2 us, the 16-block cluster path ~160 us.
+template <int C>
+struct Split {
+  static_assert(C == 2 || C == 4, "two or four blocks per row");
+  static constexpr int kNeurons2 = kRowH / C;          // layer-2 neurons per block
+  static constexpr int kPerGroup2 = kNeurons2 / (kRowThreads / 8);  // ... per group of 8 lanes
+  static constexpr bool kW1InRegisters = C == 4;
+  static constexpr int kW1Chunks = kW1InRegisters ? 0 : 4 * kRowK1 / 4;  // float4s of w1 per thread
+  // The partners' h2 bytes per step.
+  static constexpr uint32_t kPeerBytes = uint32_t((C - 1) * kNeurons2 * sizeof(float));
+  // Shared memory (floats): w1 [chunk][thread] float4s (C = 2), w1's plain
+  // copy (staging while loading), x, h1, h2 twice, biases (b1, w1's time
+  // column, b2, b3), two mbarriers.
+  static constexpr int kStage = kW1Chunks * kRowThreads * 4;
+  static constexpr int kX = kStage + (kRowH * (kRowD + 1) + 3) / 4 * 4;
+  static constexpr int kH1 = kX + row_pad(kRowD);
+  static constexpr int kH2 = kH1 + row_pad(kRowH);  // two buffers of row_pad(kRowH)
+  static constexpr int kB1 = kH2 + 2 * row_pad(kRowH);
+  static constexpr int kWT = kB1 + kRowH;
+  static constexpr int kB2 = kWT + kRowH;
+  static constexpr int kB3 = kB2 + kRowH;
+  static constexpr int kBars = kB3 + kRowD;
+  static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
+  static constexpr size_t kSmem = sizeof(float) * size_t(kBars) + 2 * sizeof(uint64_t);
+};
+static_assert(Split<2>::kPerGroup2 == 2 && Split<4>::kPerGroup2 == 1, "groups own 2 or 1 layer-2 neurons");
 
 // Sums of two neurons' partials over the 8 lanes of a group, returned for
 // neuron lane bit 2 (all four lanes that share it get the identical value:
@@ -831,33 +854,48 @@ __device__ __forceinline__ float pair_reduce2(const float (&v)[2]) {
   return a + __shfl_xor_sync(kFullMask, a, 1);
 }
 
-__global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a) {
+// The sum of one neuron's partials over the 8 lanes of a group, identical
+// on all 8 (a butterfly: both lanes of a shuffle add the same two numbers).
+__device__ __forceinline__ float group_reduce1(const float (&v)[1]) {
+  float a = v[0];
+  a += __shfl_xor_sync(kFullMask, a, 4);
+  a += __shfl_xor_sync(kFullMask, a, 2);
+  return a + __shfl_xor_sync(kFullMask, a, 1);
+}
+
+template <int C>
+__global__ void __launch_bounds__(kRowThreads, 1) flow_split_kernel(FlowParams a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ float4 pair_smem4[];
-  float* smem = reinterpret_cast<float*>(pair_smem4);
-  float* const xs = smem + kPairX;
-  float* const h1 = smem + kPairH1;
+  using S = Split<C>;
+  constexpr int kPer = S::kPerGroup2;
+  extern __shared__ float4 split_smem4[];
+  float* smem = reinterpret_cast<float*>(split_smem4);
+  float* const xs = smem + S::kX;
+  float* const h1 = smem + S::kH1;
   cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank()), peer = rank ^ 1;
+  const int rank = int(cluster.block_rank());
   const int tid = threadIdx.x;
   const int g = tid >> 3, s = tid & 7;
   const int own = 4 * g + 2 * ((tid >> 2) & 1) + ((tid >> 1) & 1);  // layer-1 neuron (row_reduce4)
-  const int own2 = kPairHalf * rank + 2 * g + ((tid >> 2) & 1);       // layer-2 neuron (pair_reduce2)
-  const int64_t row = blockIdx.x / 2;
+  // Layer-2 neuron of this lane's reduced sum, and whether the lane stores it.
+  const int own2 = S::kNeurons2 * rank + kPer * g + (kPer == 2 ? (tid >> 2) & 1 : 0);
+  const bool stores2 = (tid & (kPer == 2 ? 3 : 7)) == 0;
+  const int64_t row = blockIdx.x / C;
 
-  // Loading: w1 copied whole (coalesced, cp.async where aligned) and
-  // rearranged by each thread into its own chunks; the register weights
-  // (w2's half, w3) straight from global memory as float4s, all in flight
-  // at once; the scalar fallbacks serve misaligned tensors.
-  row_copy<kRowH * (kRowD + 1) / 4>(smem + kPairStage, a.w1, [](int f) { return f; });
-  float w2r[2][kRowK2], w3r[kRowK3];
+  // Loading: w1 copied whole (coalesced, cp.async where aligned) into the
+  // staging area, from which each thread takes its own part (registers or
+  // its [chunk][thread] float4s); the other register weights (w2's slice,
+  // w3) straight from global memory as float4s, all in flight at once; the
+  // scalar fallbacks serve misaligned tensors.
+  row_copy<kRowH * (kRowD + 1) / 4>(smem + S::kStage, a.w1, [](int f) { return f; });
+  float w1r[S::kW1InRegisters ? 4 : 1][kRowK1], w2r[kPer][kRowK2], w3r[kRowK3];
   const bool vec2 = reinterpret_cast<uintptr_t>(a.w2) % 16 == 0;
   const bool vec3 = reinterpret_cast<uintptr_t>(a.w3) % 16 == 0;
 #pragma unroll
-  for (int j = 0; j < 2; ++j)
+  for (int j = 0; j < kPer; ++j)
 #pragma unroll
     for (int e = 0; e < kRowK2; e += 4) {
-      const float4 v = row_load4(a.w2 + (kPairHalf * rank + 2 * g + j) * kRowH + kRowK2 * s + e, vec2);
+      const float4 v = row_load4(a.w2 + (S::kNeurons2 * rank + kPer * g + j) * kRowH + kRowK2 * s + e, vec2);
       w2r[j][e] = v.x, w2r[j][e + 1] = v.y, w2r[j][e + 2] = v.z, w2r[j][e + 3] = v.w;
     }
 #pragma unroll
@@ -866,57 +904,88 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a)
     w3r[e] = v.x, w3r[e + 1] = v.y, w3r[e + 2] = v.z, w3r[e + 3] = v.w;
   }
   for (int j = tid; j < kRowH; j += kRowThreads) {
-    smem[kPairB1 + j] = a.b1[j];
-    smem[kPairWT + j] = a.w1[j * (kRowD + 1) + kRowD];
-    smem[kPairB2 + j] = a.b2[j];
+    smem[S::kB1 + j] = a.b1[j];
+    smem[S::kWT + j] = a.w1[j * (kRowD + 1) + kRowD];
+    smem[S::kB2 + j] = a.b2[j];
   }
   for (int d = tid; d < kRowD; d += kRowThreads) {
-    smem[kPairB3 + d] = a.b3[d];
+    smem[S::kB3 + d] = a.b3[d];
     xs[row_pad(d)] = a.x0[row * kRowD + d];
   }
   row_copies_done();
-  // Each thread reads only the chunks it writes here: no barrier after.
+  // Each thread reads only the staged weights it needs and writes only its
+  // own chunks: no barrier after.
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int q = 0; q < kRowK1 / 4; ++q) {
-      const float* w = smem + kPairStage + (4 * g + i) * (kRowD + 1) + kRowK1 * s + 4 * q;
-      pair_smem4[(i * (kRowK1 / 4) + q) * kRowThreads + tid] = make_float4(w[0], w[1], w[2], w[3]);
-    }
-  // Both blocks running and initialised before either stores into the other.
-  cluster.sync();
-
-  const float4* w1s = pair_smem4 + tid;
-  for (int step = 0; step < a.num_steps; ++step) {
-    const float t = flow_step_time<float>(step, a.num_steps);
-    float* const h2 = smem + kPairH2 + (step & 1) * row_pad(kRowH);
-    {  // h1 = silu(w1 [x, t] + b1), all 256 neurons
-      const float sum = row_dots4<kRowK1>(xs + row_pad(kRowK1 * s), [&](int i, int k) {
-        return w1s[(i * (kRowK1 / 4) + k / 4) * kRowThreads];
-      });
-      if ((tid & 1) == 0) h1[row_pad(own)] = silu(sum + t * smem[kPairWT + own] + smem[kPairB1 + own]);
-    }
-    __syncthreads();
-    {  // h2 = silu(w2 h1 + b2), this block's half, stored into both blocks
-      float acc[2];
-      row_partial_dots<2, kRowK2>(acc, h1 + row_pad(kRowK2 * s), [&](int j, int k) {
-        return make_float4(w2r[j][k], w2r[j][k + 1], w2r[j][k + 2], w2r[j][k + 3]);
-      });
-      const float sum = pair_reduce2(acc);
-      if ((tid & 3) == 0) {
-        const float value = silu(sum + smem[kPairB2 + own2]);
-        float* const dst = h2 + row_pad(own2);
-        *dst = value;
-        *cluster.map_shared_rank(dst, peer) = value;
+      const float* w = smem + S::kStage + (4 * g + i) * (kRowD + 1) + kRowK1 * s + 4 * q;
+      if constexpr (S::kW1InRegisters) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w1r[i][4 * q + e] = w[e];
+      } else {
+        split_smem4[(i * (kRowK1 / 4) + q) * kRowThreads + tid] = make_float4(w[0], w[1], w[2], w[3]);
       }
     }
-    cluster.sync();
-    // x += dt * (w3 h2 + b3), all 64 outputs (the same values in both blocks)
-    row_euler_update(xs, h2, w3r, smem[kPairB3 + g], a.dt);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + S::kBars);
+  if (tid == 0) {
+    cuda::mbarrier_init(bars, 1);
+    cuda::mbarrier_init(bars + 1, 1);
+    cuda::mbarrier_init_fence();
+  }
+  // Every block running and initialised (its mbarriers too) before any
+  // stores into another.
+  cluster.sync();
+
+  const float4* w1s = split_smem4 + tid;
+  for (int step = 0; step < a.num_steps; ++step) {
+    const float t = flow_step_time<float>(step, a.num_steps);
+    float* const h2 = smem + S::kH2 + (step & 1) * row_pad(kRowH);
+    uint64_t* const h2_ready = bars + (step & 1);
+    // This step's phase of h2_ready: one arrival (here, early, off the
+    // critical path) and the partners' bytes.
+    if (tid == 0) cuda::mbarrier_arrive_expect_tx(h2_ready, S::kPeerBytes);
+    {  // h1 = silu(w1 [x, t] + b1), all 256 neurons
+      const float sum = row_dots4<kRowK1>(xs + row_pad(kRowK1 * s), [&](int i, int k) {
+        if constexpr (S::kW1InRegisters) {
+          return make_float4(w1r[i][k], w1r[i][k + 1], w1r[i][k + 2], w1r[i][k + 3]);
+        } else {
+          return w1s[(i * (kRowK1 / 4) + k / 4) * kRowThreads];
+        }
+      });
+      if ((tid & 1) == 0) h1[row_pad(own)] = silu(sum + t * smem[S::kWT + own] + smem[S::kB1 + own]);
+    }
+    __syncthreads();
+    {  // h2 = silu(w2 h1 + b2), this block's slice, stored into every block
+      float acc[kPer];
+      row_partial_dots<kPer, kRowK2>(acc, h1 + row_pad(kRowK2 * s), [&](int j, int k) {
+        return make_float4(w2r[j][k], w2r[j][k + 1], w2r[j][k + 2], w2r[j][k + 3]);
+      });
+      float sum;
+      if constexpr (kPer == 2) {
+        sum = pair_reduce2(acc);
+      } else {
+        sum = group_reduce1(acc);
+      }
+      if (stores2) {
+        const float value = silu(sum + smem[S::kB2 + own2]);
+        float* const dst = h2 + row_pad(own2);
+        *dst = value;
+#pragma unroll
+        for (int p = 1; p < C; ++p) cuda::st_async(dst, value, h2_ready, rank ^ p);
+      }
+    }
+    // The own slice by a block barrier, the partners' by the mbarrier phase.
+    __syncthreads();
+    cuda::mbarrier_wait(h2_ready, (step >> 1) & 1);
+    // x += dt * (w3 h2 + b3), all 64 outputs (the same values in every block)
+    row_euler_update(xs, h2, w3r, smem[S::kB3 + g], a.dt);
     __syncthreads();
   }
-  // After the last cluster barrier neither block touches the other's
-  // shared memory; x is the same in both.
+  // Each block has waited for every store into it, but none leaves while a
+  // partner may still read or write the cluster's shared memory; x is the
+  // same in every block.
+  cluster.sync();
   if (rank == 0) {
     for (int k = tid; k < kRowD; k += kRowThreads) a.x[row * kRowD + k] = xs[row_pad(k)];
   }
@@ -925,19 +994,24 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_pair_kernel(FlowParams a)
 #endif
 }
 
-// Whether the pair path takes this call: row_sizes, two blocks per row fit
-// on the device at once (one wave), sm_90.
-bool pair_applies(const FlowEulerCall& c) {
-  if (!row_sizes(c)) return false;
-  if (cuda::compute_capability_major() < 9) return false;
-  if (2 * c.B > cuda::multiprocessor_count(cuda::current_device())) return false;
-  return cuda::cluster_fits(flow_pair_kernel, 2, kRowThreads, kPairSmem);
+// Blocks per row for the split path (4, else 2), or 0 when it does not take
+// this call: row_sizes, sm_90, and all C * B blocks resident at once (one
+// wave).
+int split_blocks_for(const FlowEulerCall& c) {
+  if (!row_sizes(c)) return 0;
+  if (cuda::compute_capability_major() < 9) return 0;
+  const int64_t sms = cuda::multiprocessor_count(cuda::current_device());
+  if (4 * c.B <= sms && cuda::cluster_fits(flow_split_kernel<4>, 4, kRowThreads, Split<4>::kSmem)) return 4;
+  if (2 * c.B <= sms && cuda::cluster_fits(flow_split_kernel<2>, 2, kRowThreads, Split<2>::kSmem)) return 2;
+  return 0;
 }
 
-void launch_pair(const FlowEulerCall& c) {
-  cuda::allow_dynamic_smem(flow_pair_kernel, kPairSmem);
-  const cuda::ClusterLaunch launch(2 * c.B, 2, kRowThreads, kPairSmem, cuda::current_stream(cuda::current_device()));
-  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, flow_pair_kernel, flow_params(c)));
+template <int C>
+void launch_split(const FlowEulerCall& c) {
+  cuda::allow_dynamic_smem(flow_split_kernel<C>, Split<C>::kSmem);
+  const cuda::ClusterLaunch launch(C * c.B, C, kRowThreads, Split<C>::kSmem,
+                                   cuda::current_stream(cuda::current_device()));
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, flow_split_kernel<C>, flow_params(c)));
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1241,12 +1315,16 @@ Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, con
   FUSED_OPS_CHECK(num_steps <= INT_MAX, "num_steps must fit in int32, got ", num_steps);
   if (c.B == 0) return c.x;
   // Path rule (see the file comment): at the default D and H in float32 the
-  // pair path up to half the SMs' worth of rows, then the row path up to
+  // split path up to half the SMs' worth of rows, then the row path up to
   // one row per SM; else the cluster path for small float32 batches on
   // sm_90 when the weight slices fit, the tensor-core tile kernel for
   // float32 on sm_80+ when a tile fits, the general kernels otherwise.
-  if (pair_applies(c)) {
-    launch_pair(c);
+  if (const int blocks = split_blocks_for(c)) {
+    if (blocks == 4) {
+      launch_split<4>(c);
+    } else {
+      launch_split<2>(c);
+    }
   } else if (row_applies(c)) {
     launch_row(c);
   } else if (const int blocks = cluster_blocks_for(c)) {

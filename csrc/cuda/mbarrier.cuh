@@ -1,0 +1,89 @@
+// Shared-memory transaction barriers (mbarrier, sm_90) and asynchronous
+// stores into another block of the cluster (st.async), for kernels whose
+// blocks exchange small slices of activations every step.
+//
+// Why: a cluster barrier (barrier.cluster arrive + wait) makes every block
+// wait for every other block's arrival, a round trip through the cluster's
+// synchronisation hardware (~0.24 us on the H200 alone, ~0.37 us with a
+// push of a few float4s: bench/results/nvidia-h200-cluster-sync.txt).  With
+// st.async the data carries its own signal: each store completes its bytes
+// on an mbarrier in the destination block, so a consumer waits only until
+// the bytes it needs have landed, and a producer never waits at all.
+//
+// Protocol for one exchange buffer (see the pair path in flow_euler.cu):
+// the consumer block's mbarrier expects one arrival, which also declares the
+// bytes the peer will store (arrive_expect_tx), so the phase cannot complete
+// before that declaration even when the peer's bytes land first (the
+// transaction count may go negative meanwhile).  Each phase completes when
+// the peer's bytes have landed; waiting on it (acquire at cluster scope)
+// makes them visible.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fused_ops {
+namespace cuda {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The shared::cluster address of `p` (in this block's shared memory) in
+// block `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, int rank) {
+  uint32_t a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
+  return a;
+}
+
+// One thread initialises; the fence makes the initialisation visible to the
+// cluster's other blocks, which may store into this block once the cluster
+// barrier that must follow has completed.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// An arrival that also expects `bytes` more of asynchronous stores in this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed, acquiring at
+// cluster scope (the peer's st.async bytes are released at cluster scope).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = smem_addr(bar);
+  uint32_t done;
+  do {
+    asm volatile(
+        "{ .reg .pred p;\n"
+        "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Stores v into block `rank`'s copy of *dst and completes 4 bytes on that
+// block's copy of *bar (both given as this block's addresses).  `rank`
+// must be another block of the cluster.
+__device__ __forceinline__ void st_async(float* dst, float v, uint64_t* bar, int rank) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                   cluster_addr(dst, rank)),
+               "r"(__float_as_uint(v)), "r"(cluster_addr(bar, rank))
+               : "memory");
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+}  // namespace cuda
+}  // namespace fused_ops
