@@ -73,13 +73,21 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
-// Stores v into block `rank`'s copy of *dst and completes 4 bytes on that
-// block's copy of *bar (both given as this block's addresses).  `rank`
-// must be another block of the cluster.
+// Stores v into block `rank`'s copy of *dst and completes its bytes (4 or
+// 16) on that block's copy of *bar (both given as this block's addresses).
+// `rank` must be another block of the cluster.
 __device__ __forceinline__ void st_async(float* dst, float v, uint64_t* bar, int rank) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
                    cluster_addr(dst, rank)),
                "r"(__float_as_uint(v)), "r"(cluster_addr(bar, rank))
+               : "memory");
+}
+
+__device__ __forceinline__ void st_async(float4* dst, float4 v, uint64_t* bar, int rank) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   cluster_addr(dst, rank)),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+               "r"(__float_as_uint(v.w)), "r"(cluster_addr(bar, rank))
                : "memory");
 }
 

@@ -11,8 +11,10 @@
 //          split across the cluster's CTAs by neurons, and each CTA pushes
 //          its slice of the activations the next layer needs in full (h, z,
 //          the decoder hidden layer) into the other CTAs' shared memory
-//          (distributed shared memory stores; one cluster barrier per
-//          layer).  x stays in shared memory for the BCE, the decoder logits
+//          (asynchronous distributed-shared-memory stores, st.async, each
+//          completing its bytes on an mbarrier of the destination, which
+//          waits for its copy only: no cluster barrier per layer; an
+//          earlier version with one: 25.1 us at the default, eighth session's run 8).  x stays in shared memory for the BCE, the decoder logits
 //          never leave registers.  Weights are read straight from global
 //          memory (each weight once per CTA), as float4 when I, H, L are
 //          multiples of 4 and the pointers are 16-byte aligned, element by
@@ -51,6 +53,7 @@
 #include <utility>
 #include <tuple>
 
+#include "cuda/mbarrier.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
@@ -268,9 +271,11 @@ __device__ __forceinline__ void split_linear(const float* in, int K, int count, 
 // Shared-memory layout of the cluster kernel, in floats (each array a
 // multiple of 4 floats so float4 rows stay 16-byte aligned).  `partial` is
 // split_linear's scratch; rall / klall collect every CTA's per-row partial
-// sums of the BCE and KL terms in rank 0 (pushed there; kMaxCluster ranks).
+// sums of the BCE and KL terms in rank 0 (pushed there; kMaxCluster ranks);
+// `bars` holds one mbarrier (8 bytes) per exchange (ClusterExchange).
+enum ClusterExchange { kExH, kExZ, kExG, kExSums, kNumExchanges };
 struct ClusterLayout {
-  int xs, hs, zs, gs, mu, lv, klpart, wpart, partial, rall, klall, total;
+  int xs, hs, zs, gs, mu, lv, klpart, wpart, partial, rall, klall, bars, total;
   __host__ __device__ ClusterLayout(int I, int H, int L) {
     auto up4 = [](int n) { return (n + 3) / 4 * 4; };
     xs = 0;
@@ -284,21 +289,29 @@ struct ClusterLayout {
     partial = wpart + kWarps * kRows;
     rall = partial + kWarps * kNB * kRows;
     klall = rall + kMaxCluster * kRows;
-    total = klall + kMaxCluster * kRows;
+    bars = klall + kMaxCluster * kRows;
+    total = bars + 2 * kNumExchanges;
   }
 };
 
+// Bytes the other CTAs of the cluster push into this one's copy of a
+// [kRows, N] buffer when this CTA owns the columns s: everything else.
+__device__ __forceinline__ uint32_t exchange_bytes(int N, Slice s) {
+  return uint32_t(kRows) * uint32_t(N - (s.end - s.begin)) * uint32_t(sizeof(float));
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Pushes this CTA's columns [s.begin, s.end) of buf [kRows, N] (row stride N)
-// into the other CTAs' copies of buf, as float4 runs where the columns allow
-// (distributed shared memory traffic is per transaction: one float4 store
-// costs about what one float store does; flow_euler.cu measures it).  Stores
-// need no reply, so a push costs the issue of the stores, where gathering the
+// into the other CTAs' copies of buf by st.async (cuda/mbarrier.cuh), as
+// float4 runs where the columns allow (distributed shared memory traffic is
+// per transaction: one float4 store costs about what one float store does;
+// flow_euler.cu measures it); each store completes its bytes on the
+// destination's copy of `bar`, whose phase expects exchange_bytes, so a CTA
+// waits only until its copy is complete -- no cluster barrier.  Stores need
+// no reply, so a push costs the issue of the stores, where gathering the
 // slices with remote loads waited on each load's round trip (run 1 of the
-// seventh session: ~16% of the kernel's stall samples).  The caller's cluster
-// barrier publishes the pushes.
-__device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* buf, int N, Slice s,
-                                           int C, int rank) {
+// seventh session: ~16% of the kernel's stall samples).
+__device__ __forceinline__ void push_slice(float* buf, int N, Slice s, int C, int rank, uint64_t* bar) {
   const int n = s.end - s.begin;
   if (n <= 0) return;
   float* const src = buf + s.begin;
@@ -308,8 +321,8 @@ __device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* bu
       const int d = idx / per_dst, rest = idx - d * per_dst;
       const int r = rest / n4, q = rest - r * n4;
       const int dst = d + (d >= rank);
-      const float4 v = reinterpret_cast<const float4*>(src + r * N)[q];
-      reinterpret_cast<float4*>(cluster.map_shared_rank(src + r * N, dst))[q] = v;
+      float4* const p = reinterpret_cast<float4*>(src + r * N) + q;
+      cuda::st_async(p, *p, bar, dst);
     }
   } else {
     const int per_dst = kRows * n;
@@ -317,7 +330,8 @@ __device__ __forceinline__ void push_slice(cg::cluster_group& cluster, float* bu
       const int d = idx / per_dst, rest = idx - d * per_dst;
       const int r = rest / n, q = rest - r * n;
       const int dst = d + (d >= rank);
-      *cluster.map_shared_rank(src + r * N + q, dst) = src[r * N + q];
+      float* const p = src + r * N + q;
+      cuda::st_async(p, *p, bar, dst);
     }
   }
 }
@@ -344,9 +358,23 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   float* rall = smem + lay.rall;
   float* klall = smem + lay.klall;
   const int rows = min(kRows, a.B - row0);
-  // "This CTA runs": no CTA may store into another's shared memory before
-  // that one has started.  Waited for just before the first push, so the
-  // barrier's latency hides behind the x load and the encoder.
+  const Slice sh = slice_of(H, C, rank), sl = slice_of(L, C, rank);
+  // One mbarrier per exchange, used once (parity 0): its one arrival,
+  // here, declares the bytes the other CTAs will push into this one.
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + lay.bars);
+  if (threadIdx.x == 0) {
+    for (int e = 0; e < kNumExchanges; ++e) cuda::mbarrier_init(bars + e, 1);
+    cuda::mbarrier_init_fence();
+    cuda::mbarrier_arrive_expect_tx(bars + kExH, exchange_bytes(H, sh));
+    cuda::mbarrier_arrive_expect_tx(bars + kExZ, exchange_bytes(L, sl));
+    cuda::mbarrier_arrive_expect_tx(bars + kExG, exchange_bytes(H, sh));
+    cuda::mbarrier_arrive_expect_tx(bars + kExSums,
+                                    rank == 0 ? uint32_t(2 * (C - 1) * kRows * sizeof(float)) : 0u);
+  }
+  // "This CTA runs" (and its mbarriers are initialised): no CTA may store
+  // into another's shared memory before that one has started.  Waited for
+  // just before the first push, so the barrier's latency hides behind the x
+  // load and the encoder.
   auto started = cluster.barrier_arrive();
 
   // x tile; rows past the batch are zero (their results are never stored).
@@ -366,19 +394,17 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   __syncthreads();
 
   // 1. h = relu(x W_enc^T + b_enc), this CTA's slice of H, pushed to all.
-  const Slice sh = slice_of(H, C, rank);
   split_linear<VEC>(
       xs, I, sh.end - sh.begin, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; },
       [&](int r, int n, float v) { hs[r * H + sh.begin + n] = relu(v + __ldg(a.b_enc + sh.begin + n)); },
       partial);
   __syncthreads();
   cluster.barrier_wait(std::move(started));
-  push_slice(cluster, hs, H, sh, C, rank);
-  cluster.sync();
+  push_slice(hs, H, sh, C, rank, bars + kExH);
+  cuda::mbarrier_wait(bars + kExH, 0);  // (the own slice: the block barrier above)
 
   // 2. mu and logvar for this CTA's slice of L (mu rows first, then logvar
   //    rows, as one list of neurons), then z (pushed to all) and the KL terms.
-  const Slice sl = slice_of(L, C, rank);
   const int nl = sl.end - sl.begin;
   split_linear<VEC>(
       hs, H, 2 * nl,
@@ -407,8 +433,8 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     for (int l = sl.begin; l < sl.end; ++l) s += mus[threadIdx.x * L + l];
     klpart[threadIdx.x] = s;
   }
-  push_slice(cluster, zs, L, sl, C, rank);
-  cluster.sync();
+  push_slice(zs, L, sl, C, rank, bars + kExZ);
+  cuda::mbarrier_wait(bars + kExZ, 0);
 
   // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice
   //    of H, pushed to all.
@@ -417,8 +443,8 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
       [&](int r, int n, float v) { gs[r * H + sh.begin + n] = relu(v + __ldg(a.b_d1 + sh.begin + n)); },
       partial);
   __syncthreads();
-  push_slice(cluster, gs, H, sh, C, rank);
-  cluster.sync();
+  push_slice(gs, H, sh, C, rank, bars + kExG);
+  cuda::mbarrier_wait(bars + kExG, 0);
 
   // 4. Decoder logits for this CTA's slice of I, straight into the BCE sums.
   //    Each lane sums the terms of its row (lane >> 1) in a fixed order.
@@ -436,18 +462,29 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     if ((lane & 1) == 0) wpart[warp * kRows + (lane >> 1)] = tot;
   }
   __syncthreads();
-  // This CTA's per-row sums, pushed into rank 0's rall / klall at this rank's row.
+  // This CTA's per-row sums, pushed into rank 0's rall / klall at this
+  // rank's row (rank 0's own by the thread that later reads them).
   if (threadIdx.x < kRows) {
     float s = 0.0f;
     for (int w = 0; w < kWarps; ++w) s += wpart[w * kRows + threadIdx.x];
-    cluster.map_shared_rank(rall, 0)[rank * kRows + threadIdx.x] = s;
-    cluster.map_shared_rank(klall, 0)[rank * kRows + threadIdx.x] = klpart[threadIdx.x];
+    float* const r_dst = rall + rank * kRows + threadIdx.x;
+    float* const kl_dst = klall + rank * kRows + threadIdx.x;
+    if (rank == 0) {
+      *r_dst = s;
+      *kl_dst = klpart[threadIdx.x];
+    } else {
+      cuda::st_async(r_dst, s, bars + kExSums, 0);
+      cuda::st_async(kl_dst, klpart[threadIdx.x], bars + kExSums, 0);
+    }
   }
-  cluster.sync();
+  // Every CTA has waited for all stores into it (rank 0: just below), but
+  // none may leave while another could still touch its shared memory:
+  // arrive now, wait at the very end (by then all have arrived).
+  auto finished = cluster.barrier_arrive();
 
-  // 5. Rank 0 adds the CTAs' partial row sums in rank order, from its own
-  //    shared memory: after the barrier above no CTA touches another's.
+  // 5. Rank 0 adds the CTAs' partial row sums in rank order.
   if (rank == 0 && int(threadIdx.x) < rows) {
+    cuda::mbarrier_wait(bars + kExSums, 0);
     float recon = 0.0f, kl_sum = 0.0f;
     for (int p = 0; p < C; ++p) {
       recon += rall[p * kRows + threadIdx.x];
@@ -455,6 +492,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     }
     store_losses(a, row0 + int(threadIdx.x), recon, kl_sum);
   }
+  cluster.barrier_wait(std::move(finished));
 #else
   __trap();  // launched only on compute capability >= 9.0
 #endif
