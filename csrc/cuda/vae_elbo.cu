@@ -360,16 +360,20 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   const int rows = min(kRows, a.B - row0);
   const Slice sh = slice_of(H, C, rank), sl = slice_of(L, C, rank);
   // One mbarrier per exchange, used once (parity 0): its one arrival,
-  // here, declares the bytes the other CTAs will push into this one.
+  // here, declares the bytes the other CTAs will push into this one.  Only
+  // rank 0 receives row sums (and a phase nobody waits for is an error to
+  // compute-sanitizer's synccheck).
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + lay.bars);
+  const int exchanges = rank == 0 ? kNumExchanges : kExSums;
   if (threadIdx.x == 0) {
-    for (int e = 0; e < kNumExchanges; ++e) cuda::mbarrier_init(bars + e, 1);
+    for (int e = 0; e < exchanges; ++e) cuda::mbarrier_init(bars + e, 1);
     cuda::mbarrier_init_fence();
     cuda::mbarrier_arrive_expect_tx(bars + kExH, exchange_bytes(H, sh));
     cuda::mbarrier_arrive_expect_tx(bars + kExZ, exchange_bytes(L, sl));
     cuda::mbarrier_arrive_expect_tx(bars + kExG, exchange_bytes(H, sh));
-    cuda::mbarrier_arrive_expect_tx(bars + kExSums,
-                                    rank == 0 ? uint32_t(2 * (C - 1) * kRows * sizeof(float)) : 0u);
+    if (rank == 0) {
+      cuda::mbarrier_arrive_expect_tx(bars + kExSums, uint32_t(2 * (C - 1) * kRows * sizeof(float)));
+    }
   }
   // "This CTA runs" (and its mbarriers are initialised): no CTA may store
   // into another's shared memory before that one has started.  Waited for
