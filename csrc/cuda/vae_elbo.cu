@@ -361,8 +361,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   const Slice sh = slice_of(H, C, rank), sl = slice_of(L, C, rank);
   // One mbarrier per exchange, used once (parity 0): its one arrival,
   // here, declares the bytes the other CTAs will push into this one.  Only
-  // rank 0 receives row sums (and a phase nobody waits for is an error to
-  // compute-sanitizer's synccheck).
+  // rank 0 receives row sums.
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + lay.bars);
   const int exchanges = rank == 0 ? kNumExchanges : kExSums;
   if (threadIdx.x == 0) {
