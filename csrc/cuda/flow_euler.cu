@@ -584,6 +584,14 @@ __device__ __forceinline__ float row_reduce4(const float (&v)[4]) {
   return b + __shfl_xor_sync(kFullMask, b, 1);
 }
 
+// The sum of a over the 8 lanes of a group, identical on all 8 (a
+// butterfly: both lanes of each shuffle add the same two numbers).
+__device__ __forceinline__ float group_sum8(float a) {
+  a += __shfl_xor_sync(kFullMask, a, 4);
+  a += __shfl_xor_sync(kFullMask, a, 2);
+  return a + __shfl_xor_sync(kFullMask, a, 1);
+}
+
 // acc += w . v, the four products in a fixed order.
 __device__ __forceinline__ void row_fma4(float& acc, const float4& w, const float4& v) {
   acc = fmaf(w.x, v.x, acc);
@@ -633,10 +641,7 @@ __device__ __forceinline__ void row_euler_update(float* xs, const float* h2, con
     acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
     acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
   }
-  float sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  sum += __shfl_xor_sync(kFullMask, sum, 4);
-  sum += __shfl_xor_sync(kFullMask, sum, 2);
-  sum += __shfl_xor_sync(kFullMask, sum, 1);
+  const float sum = group_sum8((acc[0] + acc[1]) + (acc[2] + acc[3]));
   if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], dt, sum + b3);
 }
 
@@ -808,15 +813,16 @@ void launch_row(const FlowEulerCall& c) {
 //            conflict-free);
 //   layer 2  group g owns the block's neurons 4g/C .. (4g+4)/C - 1, 32 k per
 //            lane in registers; C = 2: a 3-shuffle reduce-scatter
-//            (pair_reduce2), C = 4: a 3-shuffle butterfly;
+//            (pair_reduce2), C = 4: a 3-shuffle butterfly (group_sum8);
 //   layer 3  as the row path.
 // Measured on the H200 (bench/results/nvidia-h200-gpu-run.txt): C = 2 with
 // a cluster barrier per step instead of the mbarrier, 65.1 us per call at
 // the default (eighth session's run 8); C = 2 with an mbarrier that also
 // counted one arrival per local warp instead of the block barrier 60.6 us
 // (ninth session's run 1; compute-sanitizer's racecheck cannot follow a
-// warp's stores through its lane 0's arrival, so it reported races); the
-// row path 78.2 us, the 16-block cluster path ~160 us.
+// warp's stores through its lane 0's arrival, so it reported races); this
+// version C = 2 60.6 us, C = 4 51.6 us (run 2); the row path 78.2 us, the
+// 16-block cluster path ~160 us.
 template <int C>
 struct Split {
   static_assert(C == 2 || C == 4, "two or four blocks per row");
@@ -850,15 +856,6 @@ __device__ __forceinline__ float pair_reduce2(const float (&v)[2]) {
   const bool hi = int(threadIdx.x) & 4;
   float a = hi ? v[1] : v[0];
   a += __shfl_xor_sync(kFullMask, hi ? v[0] : v[1], 4);
-  a += __shfl_xor_sync(kFullMask, a, 2);
-  return a + __shfl_xor_sync(kFullMask, a, 1);
-}
-
-// The sum of one neuron's partials over the 8 lanes of a group, identical
-// on all 8 (a butterfly: both lanes of a shuffle add the same two numbers).
-__device__ __forceinline__ float group_reduce1(const float (&v)[1]) {
-  float a = v[0];
-  a += __shfl_xor_sync(kFullMask, a, 4);
   a += __shfl_xor_sync(kFullMask, a, 2);
   return a + __shfl_xor_sync(kFullMask, a, 1);
 }
@@ -965,7 +962,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_split_kernel(FlowParams a
       if constexpr (kPer == 2) {
         sum = pair_reduce2(acc);
       } else {
-        sum = group_reduce1(acc);
+        sum = group_sum8(acc[0]);
       }
       if (stores2) {
         const float value = silu(sum + smem[S::kB2 + own2]);
