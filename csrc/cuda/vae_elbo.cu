@@ -13,8 +13,9 @@
 //          the decoder hidden layer) into the other CTAs' shared memory
 //          (asynchronous distributed-shared-memory stores, st.async, each
 //          completing its bytes on an mbarrier of the destination, which
-//          waits for its copy only: no cluster barrier per layer; an
-//          earlier version with one: 25.1 us at the default, eighth session's run 8).  x stays in shared memory for the BCE, the decoder logits
+//          waits for its copy only: no cluster barrier per layer; 24.0 us
+//          at the default against 25.3 us with one, ninth session's run
+//          3).  x stays in shared memory for the BCE, the decoder logits
 //          never leave registers.  Weights are read straight from global
 //          memory (each weight once per CTA), as float4 when I, H, L are
 //          multiples of 4 and the pointers are 16-byte aligned, element by
