@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a CUDA change needs before it is done, in one run on a GPU machine:
-# build, the test suite, compute-sanitizer (memcheck, racecheck, initcheck) over
+# build, the test suite, compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over
 # a small run of every kernel path, kernel-vs-call timing, and the benchmark.
 #
 #   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
@@ -112,7 +112,7 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
     done
   fi
 fi
-for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   [[ $tool == none ]] && continue
   stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py" ${SANITIZE_GROUPS:-}
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
