@@ -10,13 +10,16 @@
 // on an mbarrier in the destination block, so a consumer waits only until
 // the bytes it needs have landed, and a producer never waits at all.
 //
-// Protocol for one exchange buffer (see the pair path in flow_euler.cu):
-// the consumer block's mbarrier expects one arrival, which also declares the
-// bytes the peer will store (arrive_expect_tx), so the phase cannot complete
-// before that declaration even when the peer's bytes land first (the
-// transaction count may go negative meanwhile).  Each phase completes when
-// the peer's bytes have landed; waiting on it (acquire at cluster scope)
-// makes them visible.
+// Protocol for one exchange buffer (the split path in flow_euler.cu, the
+// cluster kernel in vae_elbo.cu): the consumer block's mbarrier expects one
+// arrival, which also declares the bytes its partners will store
+// (arrive_expect_tx), so the phase cannot complete before that declaration
+// even when their bytes land first (the transaction count may go negative
+// meanwhile).  Each phase completes when the partners' bytes have landed;
+// waiting on it (acquire at cluster scope) makes them visible.  The block's
+// own part of the buffer is published by an ordinary block barrier:
+// compute-sanitizer's racecheck does not follow stores through another
+// thread's mbarrier arrival.
 #pragma once
 
 #include <cuda_runtime.h>
