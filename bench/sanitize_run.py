@@ -7,8 +7,8 @@ vae, vae_backward; all by default).
 
 Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
-memory) and float64; for flow_euler, the split (4 and 2 blocks per row) and row paths (the default D
-and H), the cluster path (sm_90, B <= 32), the
+memory) and float64; for flow_euler, the split (4 and 2 blocks per row) and
+row paths (the default D and H), the cluster path (sm_90, B <= 32), the
 3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32) and the
 general path (float64; float32 too large for both); for vae_elbo, the cluster,
 tiled and general paths (VAE_CASES) and the backward (VAE_BWD_CASES).  Each result is checked against the
