@@ -81,8 +81,38 @@ if FORCE_CUDA and torch.version.cuda is None:
     sys.exit(f"FORCE_CUDA=1 but the installed torch {torch.__version__} is a CPU-only build.")
 
 if WITH_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-    # sm_80 and sm_90 machine code plus PTX that newer GPUs can JIT-compile.
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+    # sm_80 and sm_90a machine code; compute_90 PTX (added below) for newer GPUs.
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
+
+
+def cuda_arch_flags():
+    """nvcc -gencode flags and macros for TORCH_CUDA_ARCH_LIST.
+
+    The wgmma kernels need sm_90a machine code.  An sm_90a build defines
+    FUSED_OPS_SM90A, which lets the host launch them on compute capability
+    9.0 -- unless the list also asks for plain sm_90 code: with both in one
+    binary the loader's choice between them is not ours, so the build then
+    keeps to the sm_80 / sm_90 kernels.  Without any "+PTX" entry, portable
+    compute_90 PTX is added so that newer GPUs can JIT-compile the rest
+    (sm_90a code and its PTX run on compute capability 9.0 only).  The flags
+    are all written here: torch's build adds none of its own once -gencode
+    flags are given.
+    """
+    arches = [a.strip() for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";") if a.strip()]
+    flags, macros = [], []
+    for arch in arches:
+        base = arch.split("+")[0]
+        num = base.replace(".", "")
+        if not num.rstrip("a").isdigit():
+            sys.exit(f"TORCH_CUDA_ARCH_LIST: cannot read {arch!r} (expected entries such as 8.0, 9.0a, 9.0+PTX)")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    if not any(a.endswith("+PTX") for a in arches):
+        flags.append("-gencode=arch=compute_90,code=compute_90")
+    if "9.0a" in arches and not any(a.split("+")[0] == "9.0" for a in arches):
+        macros.append(("FUSED_OPS_SM90A", None))
+    return flags, macros
 
 
 def cuda_library_include_dirs():
@@ -150,9 +180,10 @@ def extensions():
         compile_args["cxx"] += isystem
         # No --use_fast_math: expf/logf must stay accurate, the ops are compared
         # with the reference at 1e-4 and against a float64 run of it.
-        compile_args["nvcc"] = ["-O3", "-lineinfo", "-Xcompiler", "-fvisibility=hidden"] + abi + isystem
+        arch_flags, arch_macros = cuda_arch_flags()
+        compile_args["nvcc"] = ["-O3", "-lineinfo", "-Xcompiler", "-fvisibility=hidden"] + abi + isystem + arch_flags
         # USE_CUDA exposes the CUDA part of the stable C shim (current stream).
-        define_macros += [("FUSED_OPS_WITH_CUDA", None), ("USE_CUDA", None)]
+        define_macros += [("FUSED_OPS_WITH_CUDA", None), ("USE_CUDA", None)] + arch_macros
     return [
         extension(
             "fused_ops._C",

@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
 # Build with the system compiler (the one torch was built with).  On the H200

@@ -92,7 +92,8 @@ VAE_CASES = [
     (128, 784, 256, 32, torch.float32),  # cluster, float4 weight reads (the default size)
     (37, 1000, 130, 17, torch.float32),  # cluster, scalar reads, partial row tile
     (5, 5, 7, 3, torch.float32),  # cluster, slices smaller than the cluster (empty CTAs)
-    (2053, 784, 256, 32, torch.float32),  # tiled tensor-core path, partial last tile
+    (2053, 784, 256, 32, torch.float32),  # wgmma (sm_90a build), partial last tile
+    (2048, 130, 256, 17, torch.float32),  # wgmma, a full decoder pass and a tail pass
     (2048, 37, 40, 5, torch.float32),  # tiled, odd I and L
     (2048, 784, 256, 64, torch.float32),  # tiled, shared memory above 200 KB
     (3, 4000, 1500, 40, torch.float32),  # general: activations exceed shared memory

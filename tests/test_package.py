@@ -14,7 +14,7 @@ from fused_ops._loader import build_info, check_compatible
 INFO = {
     "torch_version": "2.14.1+cu130",
     "cuda_version": "13.0",
-    "cuda_arch_list": "8.0;9.0+PTX",
+    "cuda_arch_list": "8.0;9.0a",
     "with_cuda": True,
     "min_torch": "2.11",
     "stable_abi": True,

@@ -213,9 +213,10 @@ def test_single_element_clamp_value(device):
     assert torch.equal(recon, run_reference(args)[1])
 
 
-# B=4 takes the cluster path on CUDA, B=2048 (H % 8 == 0) the tiled one,
-# whose split of x into TF32 parts must keep the NaN.
-@pytest.mark.parametrize("B,H", [(4, 5), (2048, 8)], ids=["B4", "B2048-tiled"])
+# B=4 takes the cluster path on CUDA, B=2048 the tiled one (H % 8 == 0) or,
+# at H = 256 on an sm_90a build, the wgmma one, whose splits of x into TF32
+# parts must keep the NaN.
+@pytest.mark.parametrize("B,H", [(4, 5), (2048, 8), (2048, 256)], ids=["B4", "B2048-tiled", "B2048-wgmma"])
 def test_nan_propagates(B, H, device):
     # The reference refuses NaN probabilities (BCE's range check), so the rows
     # without NaN are compared with it and the NaN rows checked by hand.
@@ -444,8 +445,12 @@ CUDA_PATH_CASES = [
     (37, 1000, 130, 17, torch.float32),   # cluster: scalar reads (H, L not multiples of 4)
     (300, 5, 7, 3, torch.float32),        # cluster: slices smaller than the cluster
     (128, 64, 512, 2, torch.float32),     # cluster: wide hidden layer
-    (8192, 784, 256, 32, torch.float32),  # tiled tensor-core path (large batch)
-    (2053, 784, 256, 32, torch.float32),  # tiled: partial last row tile
+    (8192, 784, 256, 32, torch.float32),  # wgmma (sm_90a build; else tiled): large batch
+    (2053, 784, 256, 32, torch.float32),  # wgmma: partial last row tile, one 16-column tail pass
+    (2048, 37, 256, 5, torch.float32),    # wgmma: I below one chunk, tail passes only, odd L
+    (2100, 130, 256, 17, torch.float32),  # wgmma: one full decoder pass + a 2-column tail
+    (2048, 1000, 256, 1, torch.float32),  # wgmma: L = 1, I not a multiple of 4
+    (2048, 256, 256, 32, torch.float32),  # wgmma: full decoder passes only
     (2048, 100, 64, 8, torch.float32),    # tiled: I not a multiple of the column tile
     (3000, 37, 40, 5, torch.float32),     # tiled: I, H, L odd sizes
     (2048, 784, 256, 64, torch.float32),  # tiled: wide latent, shared memory above 200 KB

@@ -94,6 +94,24 @@ __device__ __forceinline__ void st_async(float4* dst, float4 v, uint64_t* bar, i
                : "memory");
 }
 
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from
+// global memory into this block's shared memory with the bulk copy engine
+// (one thread issues it), completing the bytes on *bar: the block's threads
+// wait on *bar, whose phase the issuing thread armed with
+// mbarrier_arrive_expect_tx(bar, bytes).
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Ends an mbarrier's life (the PTX rule before its shared memory serves
+// anything else, including an mbarrier of a later block on this SM).
+__device__ __forceinline__ void mbarrier_inval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 #endif  // __CUDA_ARCH__ >= 900
 
 }  // namespace cuda

@@ -58,6 +58,7 @@
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
+#include "cuda/wgmma.cuh"
 #include "vae_elbo.h"
 
 namespace fused_ops {
@@ -497,6 +498,13 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     store_losses(a, row0 + int(threadIdx.x), recon, kl_sum);
   }
   cluster.barrier_wait(std::move(finished));
+  // No thread waits on the mbarriers any more: end their life before this
+  // shared memory serves a later block (compute-sanitizer's synccheck
+  // tracks mbarriers by address across blocks).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int e = 0; e < (rank == 0 ? kNumExchanges : kExSums); ++e) cuda::mbarrier_inval(bars + e);
+  }
 #else
   __trap();  // launched only on compute capability >= 9.0
 #endif
@@ -938,6 +946,461 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
   return true;
 }
 
+// ---------------------------------------------------------------------------
+// wgmma path (sm_90a: H100 / H200)
+// ---------------------------------------------------------------------------
+//
+// The tiled path's work (one CTA per 64 samples, the whole pass on chip,
+// 3xTF32 products) with Hopper's warpgroup products: two warpgroups each
+// own half of a layer's output columns, both A (the activations, split into
+// big and small planes by the threads) and B (the weights, packed split in
+// the operand layout of wgmma.cuh once per call) are read by the tensor
+// cores straight from shared memory, and the weights arrive by bulk copies
+// (one thread issues them) through a three-stage ring of chunks of four
+// k-steps, each stage completing on its own mbarrier.  A chunk's products
+// are issued asynchronously; the threads meanwhile stage the next x chunk
+// (encoder) and then wait for the products, meet at one block barrier (the
+// chunk's stage and x buffer are free again) and refill the stage.
+//
+// Shape: H == 256 (the encoder and the decoder's hidden layer are one m64n128
+// product per warpgroup), 1 <= L <= 32 (mu | logvar: n32 per warpgroup, the
+// latent padded to 32 columns), any I (K padded with zeros to whole chunks;
+// the decoder's logits in passes of 128 columns, then passes of 16).  The
+// weights stream from L2 once per CTA.
+namespace wg {
+
+constexpr int kThreadsWg = 256;  // two warpgroups
+constexpr int kRowsWg = 64;      // samples per CTA: the wgmma M
+constexpr int kS = 4;            // k-steps per weight chunk
+constexpr int kKChunk = 8 * kS;  // K columns per chunk
+constexpr int kStages = 3;
+constexpr int kH = 256;
+constexpr int kLp = 32;
+constexpr int kPass = 128;      // decoder columns per full pass (64 per warpgroup)
+constexpr int kTailPass = 16;   // ... per tail pass (8 per warpgroup)
+constexpr int kDecChunks = kH / kKChunk;
+
+// Sizes in floats.  A 64-row operand's k-step block, and chunks of packed
+// weights (two planes of kS k-steps of np columns).
+constexpr int kBlock = kRowsWg * 8;
+__host__ __device__ constexpr int chunk_floats(int np) { return 2 * kS * np * 8; }
+constexpr int kXChunk = 2 * kS * kBlock;   // x: 64 rows x 32 columns, two planes
+constexpr int kHPlane = kH / 8 * kBlock;   // one plane of h or g (64 x 256)
+constexpr int kZPlane = kLp / 8 * kBlock;  // one plane of z (64 x 32)
+constexpr int kMsLd = kLp + 1;
+
+// Shared memory, in floats, phase by phase (every phase ends with a block
+// barrier, after which its regions are free):
+//   encoder   ring of 3 x 64 KB weight chunks at 0, two x chunks at kXs
+//   mu|logvar h at 0 (both planes), ring of 3 x 16 KB at kRingM, logvar
+//             handed from warpgroup 1 to 0 at kMs, z at kZ
+//   decoder 1 its one weight chunk (L <= 32) at 0, z; g written over h
+//   decoder 2 g at 0, ring of 3 x 32 KB at kRingD2
+//   all       BCE partial sums, KL row sums, the stages' mbarriers at kMisc
+constexpr int kXs = kStages * chunk_floats(kH);
+constexpr int kRingM = 2 * kHPlane;
+constexpr int kMs = kRingM + kStages * chunk_floats(2 * kLp);
+constexpr int kZ = kMs + (kRowsWg * kMsLd + 3) / 4 * 4;  // 16-byte aligned
+constexpr int kRingD2 = 2 * kHPlane;
+constexpr int kMisc = kXs + 2 * kXChunk;
+constexpr int kWpart = kMisc, kKlrow = kWpart + 2 * kRowsWg, kBars = kKlrow + kRowsWg;
+constexpr size_t kSmemBytes = sizeof(float) * kBars + kStages * sizeof(uint64_t);
+static_assert(kZ + 2 * kZPlane <= kMisc && kRingD2 + kStages * chunk_floats(kPass) <= kMisc, "phase regions");
+static_assert(kRingM + kStages * chunk_floats(2 * kLp) <= kMs, "ring below the logvar hand-over");
+static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
+
+// Packed weights: for each pass of np output columns, its K in chunks of
+// kS k-steps, each chunk [plane: big, small][k-step][np / 8 column groups]
+// [core matrices: k < 4, k >= 4][8 columns][4 k] -- the chunk lands in
+// shared memory as one bulk copy in wgmma's operand layout.  Column c of
+// pass q is weight row n_start + q np + c; with w1 set, the first np / 2
+// columns are rows of w0 and the rest rows of w1 (mu | logvar).  Rows past
+// `rows` and k past K are zero.
+struct CorePack {
+  const float *w0, *w1;
+  int ld, rows, K, np, n_start, passes, kchunks;
+  float* out;
+  __host__ __device__ int64_t size() const { return int64_t(passes) * kchunks * chunk_floats(np); }
+};
+constexpr int kPacks = 5;  // encoder, mu|logvar, decoder 1, decoder 2 full passes, tail passes
+struct CorePackBatch {
+  CorePack p[kPacks];
+};
+
+__global__ void __launch_bounds__(256) pack_core_kernel(const CorePackBatch batch) {
+  CorePack m = batch.p[0];
+#pragma unroll
+  for (int i = 1; i < kPacks; ++i)
+    if (int(blockIdx.y) == i) m = batch.p[i];
+  const int cf = chunk_floats(m.np), plane = cf / 2;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < m.size() / 2;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    // i counts one plane's values; the big and small parts go to both planes.
+    const int64_t chunk = i / plane;
+    const int o = int(i % plane), q = int(chunk / m.kchunks), c = int(chunk % m.kchunks);
+    const int s = o / (m.np * 8), o3 = o % (m.np * 8);
+    const int col = (o3 / 64) * 8 + (o3 % 32) / 4;
+    const int k = (c * kS + s) * 8 + ((o3 % 64) / 32) * 4 + o3 % 4;
+    const float* src = m.w0;
+    int row = m.n_start + q * m.np + col;
+    if (m.w1 != nullptr) {
+      const bool second = col >= m.np / 2;
+      src = second ? m.w1 : m.w0;
+      row = second ? col - m.np / 2 : col;
+    }
+    const float v = (row < m.rows && k < m.K) ? src[int64_t(row) * m.ld + k] : 0.0f;
+    const cuda::SplitTf32 sp = cuda::split_tf32(v);
+    m.out[chunk * cf + o] = __uint_as_float(sp.big);
+    m.out[chunk * cf + plane + o] = __uint_as_float(sp.small);
+  }
+}
+
+struct WgWeights {
+  const float *enc, *mulv, *d1, *d2, *d2_tail;
+  int enc_chunks, full_passes, tail_passes;
+};
+
+#if defined(FUSED_OPS_WGMMA)
+
+// The weight chunks of one phase, in the order they are consumed: `chunks`
+// of `floats` from src, then chunks2 of floats2 from src2 (the decoder's tail
+// passes), through `depth` stages of `stage` floats at ring.  Chunk q uses
+// the mbarrier of stage (g0 + q) % kStages, g0 counting the chunks of the
+// phases before, so each mbarrier's phases alternate in parity throughout.
+struct ChunkStream {
+  const float* src;
+  int floats, chunks;
+  const float* src2;
+  int floats2, chunks2;
+  float* ring;
+  int stage, depth;
+  int g0;
+  __device__ int total() const { return chunks + chunks2; }
+  __device__ float* slot(int q) const { return ring + (q % depth) * stage; }
+  // Thread 0: arm chunk q's mbarrier with its bytes and start its copy.
+  __device__ void issue(int q, uint64_t* bars) const {
+    const bool first = q < chunks;
+    const float* from = first ? src + int64_t(q) * floats : src2 + int64_t(q - chunks) * floats2;
+    const uint32_t bytes = uint32_t(first ? floats : floats2) * uint32_t(sizeof(float));
+    uint64_t* bar = bars + (g0 + q) % kStages;
+    cuda::mbarrier_arrive_expect_tx(bar, bytes);
+    cuda::bulk_copy_g2s(slot(q), from, bytes, bar);
+  }
+  __device__ void prologue(uint64_t* bars) const {
+    if (threadIdx.x == 0) {
+      for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
+    }
+  }
+  // After chunk q's products completed in every thread: refill its stage.
+  __device__ void release(int q, uint64_t* bars) const {
+    __syncthreads();
+    if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
+  }
+};
+
+// Issues chunk q's kS k-steps of acc += A * B^T for this warpgroup's np / 2
+// columns: A's big plane at a (k-step blocks kBlock apart, its small plane
+// a_plane further), B the chunk in its stage.  Waits for the chunk's bytes
+// first; the products complete at the caller's wgmma_wait.
+template <int N>
+__device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q,
+                                               const float* a, int a_plane, uint64_t* bars) {
+  const int gq = st.g0 + q;
+  cuda::mbarrier_wait(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
+  const int np = 2 * N, wgi = int(threadIdx.x) / 128;
+  const float* b = st.slot(q) + wgi * np * 4;
+  const int b_plane = kS * np * 8;
+  cuda::wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kS; ++s) {
+    const float* as = a + s * kBlock;
+    const float* bs = b + s * np * 8;
+    cuda::wgmma_3xtf32<N>(acc, cuda::wgmma_desc(as), cuda::wgmma_desc(as + a_plane), cuda::wgmma_desc(bs),
+                          cuda::wgmma_desc(bs + b_plane));
+  }
+  cuda::wgmma_commit();
+}
+
+// Calls f(row, h, col, v0, v1) for the column pairs (col, col + 1) of this
+// thread's accumulators: tile j, rows g + 8 h (h = 0, 1) of its warp.
+template <int N, typename F>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[N / 2], F f) {
+  const int lane = threadIdx.x % cuda::kWarpSize, r = 16 * (int(threadIdx.x) / 32 % 4) + lane / 4;
+  const int c = 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    f(r, 0, 8 * j + c, acc[4 * j], acc[4 * j + 1]);
+    f(r + 8, 1, 8 * j + c, acc[4 * j + 2], acc[4 * j + 3]);
+  }
+}
+
+// Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
+// (big plane at p, small plane `plane` further).
+__device__ __forceinline__ void store_split_pair(float* p, int plane, int r, int k, float v0, float v1) {
+  const cuda::SplitTf32 s0 = cuda::split_tf32(v0), s1 = cuda::split_tf32(v1);
+  float* at = p + (k / 8) * kBlock + cuda::core_offset(r, k % 8);
+  *reinterpret_cast<float2*>(at) = make_float2(__uint_as_float(s0.big), __uint_as_float(s1.big));
+  *reinterpret_cast<float2*>(at + plane) = make_float2(__uint_as_float(s0.small), __uint_as_float(s1.small));
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = 0.0f;
+}
+
+#endif  // FUSED_OPS_WGMMA
+
+__global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Args<float> a, const WgWeights w) {
+#if defined(FUSED_OPS_WGMMA)
+  extern __shared__ __align__(128) float smem[];
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kBars);
+  const int tid = int(threadIdx.x), wgi = tid / 128, lane = tid % cuda::kWarpSize;
+  const int row0 = int(blockIdx.x) * kRowsWg, rows = min(kRowsWg, a.B - row0);
+  const int I = a.I, L = a.L;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) cuda::mbarrier_init(bars + s, 1);
+    cuda::mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  // 1. Encoder: h = relu(x W_enc^T + b_enc).  x chunks (64 rows x 32
+  //    columns) are loaded, split and stored by all threads, one chunk ahead
+  //    of the products; a quarter warp's eight float4 stores cover eight rows
+  //    of one core matrix column (conflict-free).
+  float hacc[kH / 4];  // this warpgroup's 128 columns
+  {
+    const ChunkStream st{w.enc, chunk_floats(kH), w.enc_chunks, nullptr, 0, 0, smem, chunk_floats(kH), kStages, 0};
+    st.prologue(bars);
+    float xv[2][4];
+    auto load_x = [&](int c) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int f = tid + kThreadsWg * j, r = (f / 64) * 8 + f % 8, col = c * kKChunk + 4 * (f / 8 % 8);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          xv[j][e] = (r < rows && col + e < I) ? __ldg(a.x + int64_t(row0 + r) * I + col + e) : 0.0f;
+        }
+      }
+    };
+    auto store_x = [&](int buf) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int f = tid + kThreadsWg * j, r = (f / 64) * 8 + f % 8, kq = f / 8 % 8;
+        float* at = smem + kXs + buf * kXChunk + (kq / 2) * kBlock + cuda::core_offset(r, (kq % 2) * 4);
+        cuda::SplitTf32 s[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[e] = cuda::split_tf32(xv[j][e]);
+        *reinterpret_cast<float4*>(at) = make_float4(__uint_as_float(s[0].big), __uint_as_float(s[1].big),
+                                                     __uint_as_float(s[2].big), __uint_as_float(s[3].big));
+        *reinterpret_cast<float4*>(at + kS * kBlock) =
+            make_float4(__uint_as_float(s[0].small), __uint_as_float(s[1].small), __uint_as_float(s[2].small),
+                        __uint_as_float(s[3].small));
+      }
+    };
+    load_x(0);
+    store_x(0);
+    cuda::fence_proxy_async();
+    __syncthreads();
+    zero(hacc);
+    for (int q = 0; q < st.total(); ++q) {
+      chunk_products<kH / 2>(hacc, st, q, smem + kXs + (q % 2) * kXChunk, kS * kBlock, bars);
+      if (q + 1 < st.total()) {
+        load_x(q + 1);
+        store_x((q + 1) % 2);  // read by chunk q - 1's products, complete
+        cuda::fence_proxy_async();
+      }
+      cuda::wgmma_wait<0>();
+      st.release(q, bars);
+    }
+    // Every chunk has been consumed (the last release's barrier): h may
+    // overwrite the ring.
+    for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
+      const int n = wgi * (kH / 2) + c;
+      store_split_pair(smem, kHPlane, r, n, relu(v0 + __ldg(a.b_enc + n)), relu(v1 + __ldg(a.b_enc + n + 1)));
+    });
+    cuda::fence_proxy_async();
+    __syncthreads();
+  }
+
+  // 2. mu (warpgroup 0) and logvar (warpgroup 1), 32 padded columns each;
+  //    then z and the KL terms in warpgroup 0.
+  float* const klrow = smem + kKlrow;
+  {
+    const ChunkStream st{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
+                         smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
+    st.prologue(bars);
+    float macc[kLp / 2];
+    zero(macc);
+    for (int q = 0; q < st.total(); ++q) {
+      chunk_products<kLp>(macc, st, q, smem + q * kS * kBlock, kHPlane, bars);
+      cuda::wgmma_wait<0>();
+      st.release(q, bars);
+    }
+    float* const ms = smem + kMs;
+    if (wgi == 1) {
+      for_each_pair<kLp>(macc, [&](int r, int, int l, float v0, float v1) {
+        ms[r * kMsLd + l] = l < L ? v0 + __ldg(a.b_lv + l) : 0.0f;
+        ms[r * kMsLd + l + 1] = l + 1 < L ? v1 + __ldg(a.b_lv + l + 1) : 0.0f;
+      });
+    }
+    __syncthreads();
+    if (wgi == 0) {
+      float kl[2] = {0.0f, 0.0f};  // rows g and g + 8 of this warp
+      for_each_pair<kLp>(macc, [&](int r, int h, int l, float v0, float v1) {
+        float zz[2], vv[2] = {v0, v1};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          zz[e] = 0.0f;
+          if (l + e < L) {
+            const float mu = vv[e] + __ldg(a.b_mu + l + e), lv = ms[r * kMsLd + l + e];
+            const float ep = r < rows ? __ldg(a.eps + int64_t(row0 + r) * L + l + e) : 0.0f;
+            zz[e] = mu + expf(0.5f * lv) * ep;
+            kl[h] += ((1.0f + lv) - mu * mu) - expf(lv);  // the reference's order
+          }
+        }
+        store_split_pair(smem + kZ, kZPlane, r, l, zz[0], zz[1]);
+      });
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = kl[h];
+        v += __shfl_xor_sync(cuda::kFullMask, v, 1);
+        v += __shfl_xor_sync(cuda::kFullMask, v, 2);
+        if (lane % 4 == 0) klrow[16 * (tid / 32 % 4) + lane / 4 + 8 * h] = v;
+      }
+    }
+    cuda::fence_proxy_async();
+    __syncthreads();
+  }
+
+  // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1) over h's place
+  //    (after every warpgroup's products: the chunk sits there too).
+  {
+    const ChunkStream st{w.d1, chunk_floats(kH), 1, nullptr, 0, 0, smem, chunk_floats(kH), 1,
+                         w.enc_chunks + kDecChunks};
+    st.prologue(bars);
+    zero(hacc);
+    chunk_products<kH / 2>(hacc, st, 0, smem + kZ, kZPlane, bars);
+    cuda::wgmma_wait<0>();
+    __syncthreads();
+    for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
+      const int n = wgi * (kH / 2) + c;
+      store_split_pair(smem, kHPlane, r, n, relu(v0 + __ldg(a.b_d1 + n)), relu(v1 + __ldg(a.b_d1 + n + 1)));
+    });
+    cuda::fence_proxy_async();
+    __syncthreads();
+  }
+
+  // 4. Decoder logits into BCE sums, pass by pass: 128 columns (64 per
+  //    warpgroup), then 16 (8 per warpgroup).  rsum[h]: rows g + 8 h of this
+  //    warp, terms added in a fixed order.
+  float rsum[2] = {0.0f, 0.0f};
+  {
+    const ChunkStream st{w.d2, chunk_floats(kPass), w.full_passes * kDecChunks,
+                         w.d2_tail, chunk_floats(kTailPass), w.tail_passes * kDecChunks,
+                         smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
+    st.prologue(bars);
+    auto bce = [&](int n0, int r, int h, int c, float v0, float v1) {
+      const int n = n0 + c;
+      if (r < rows) {
+        const float* xr = a.x + int64_t(row0 + r) * I;
+        if (n < I) rsum[h] += bce_term(v0 + __ldg(a.b_d2 + n), __ldg(xr + n));
+        if (n + 1 < I) rsum[h] += bce_term(v1 + __ldg(a.b_d2 + n + 1), __ldg(xr + n + 1));
+      }
+    };
+    int q = 0;
+    for (int p = 0; p < w.full_passes; ++p) {
+      float dacc[kPass / 4];
+      zero(dacc);
+      for (int c = 0; c < kDecChunks; ++c, ++q) {
+        chunk_products<kPass / 2>(dacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
+        cuda::wgmma_wait<0>();
+        st.release(q, bars);
+      }
+      const int n0 = p * kPass + wgi * (kPass / 2);
+      for_each_pair<kPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
+    }
+    for (int p = 0; p < w.tail_passes; ++p) {
+      float dacc[kTailPass / 4];
+      zero(dacc);
+      for (int c = 0; c < kDecChunks; ++c, ++q) {
+        chunk_products<kTailPass / 2>(dacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
+        cuda::wgmma_wait<0>();
+        st.release(q, bars);
+      }
+      const int n0 = w.full_passes * kPass + p * kTailPass + wgi * (kTailPass / 2);
+      for_each_pair<kTailPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
+    }
+  }
+  float* const wpart = smem + kWpart;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float v = rsum[h];
+    v += __shfl_xor_sync(cuda::kFullMask, v, 1);
+    v += __shfl_xor_sync(cuda::kFullMask, v, 2);
+    if (lane % 4 == 0) wpart[wgi * kRowsWg + 16 * (tid / 32 % 4) + lane / 4 + 8 * h] = v;
+  }
+  __syncthreads();
+  if (tid < rows) store_losses(a, row0 + tid, wpart[tid] + wpart[kRowsWg + tid], klrow[tid]);
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) cuda::mbarrier_inval(bars + s);
+  }
+#else
+  __trap();  // launched only where the sm_90a code was built (FUSED_OPS_SM90A)
+#endif
+}
+
+}  // namespace wg
+
+// Launches the wgmma path; false when it does not apply.
+bool launch_wgmma(const Args<float>& a, const Tensor& like) {
+#if defined(FUSED_OPS_SM90A)
+  if (a.H != wg::kH || a.L > wg::kLp || cuda::compute_capability_major() != 9 ||
+      cuda::device_attribute(cudaDevAttrComputeCapabilityMinor) != 0 ||
+      wg::kSmemBytes > cuda::max_shared_memory_per_block()) {
+    return false;
+  }
+  cuda::allow_dynamic_smem(wg::vae_elbo_wgmma_kernel, wg::kSmemBytes);
+  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
+  const int enc_chunks = (a.I + wg::kKChunk - 1) / wg::kKChunk;
+  const int full = a.I / wg::kPass, tail = (a.I - full * wg::kPass + wg::kTailPass - 1) / wg::kTailPass;
+  using wg::CorePack;
+  // (w0, w1, ld, rows, K, np, n_start, passes, kchunks)
+  CorePack packs[wg::kPacks] = {
+      {a.w_enc, nullptr, a.I, a.H, a.I, wg::kH, 0, 1, enc_chunks, nullptr},
+      {a.w_mu, a.w_lv, a.H, a.L, a.H, 2 * wg::kLp, 0, 1, wg::kDecChunks, nullptr},
+      {a.w_d1, nullptr, a.L, a.H, a.L, wg::kH, 0, 1, 1, nullptr},
+      {a.w_d2, nullptr, a.H, a.I, a.H, wg::kPass, 0, full, wg::kDecChunks, nullptr},
+      {a.w_d2, nullptr, a.H, a.I, a.H, wg::kTailPass, full * wg::kPass, tail, wg::kDecChunks, nullptr}};
+  int64_t total = 0, largest = 0;
+  for (const CorePack& p : packs) {
+    total += p.size();
+    largest = std::max(largest, p.size());
+  }
+  Tensor packed = empty_like_device(like, {std::max<int64_t>(total, 1)});
+  float* out = packed.mutable_data_ptr<float>();
+  wg::CorePackBatch batch{};
+  for (int i = 0; i < wg::kPacks; ++i) {
+    packs[i].out = out;
+    out += packs[i].size();
+    batch.p[i] = packs[i];
+  }
+  const int64_t blocks = std::min<int64_t>(1024, std::max<int64_t>(1, (largest / 2 + 255) / 256));
+  wg::pack_core_kernel<<<dim3(unsigned(blocks), wg::kPacks), 256, 0, stream>>>(batch);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  const wg::WgWeights w{packs[0].out, packs[1].out, packs[2].out, packs[3].out, packs[4].out,
+                        enc_chunks, full, tail};
+  const int64_t tiles = (int64_t(a.B) + wg::kRowsWg - 1) / wg::kRowsWg;
+  wg::vae_elbo_wgmma_kernel<<<unsigned(tiles), wg::kThreadsWg, wg::kSmemBytes, stream>>>(a, w);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  return true;
+#else
+  (void)a;
+  (void)like;
+  return false;
+#endif
+}
+
 template <typename T>
 void launch_general(const Args<T>& a, const Tensor& like) {
   Tensor ws = empty_like_device(like, {int64_t(a.B) * (2 * int64_t(a.H) + 2 * a.L)});
@@ -958,7 +1421,7 @@ void vae_elbo_launch(const VaeElboCall& c) {
                   int(c.L),               c.elbo.mutable_data_ptr<T>(),     c.recon.mutable_data_ptr<T>(),
                   c.kl.mutable_data_ptr<T>()};
   if constexpr (std::is_same_v<T, float>) {
-    if (c.B >= kTiledMinBatch && launch_tiled(a, c.x)) return;
+    if (c.B >= kTiledMinBatch && (launch_wgmma(a, c.x) || launch_tiled(a, c.x))) return;
     if (launch_cluster(a)) return;
   }
   launch_general<T>(a, c.x);
