@@ -1091,10 +1091,11 @@ struct ChunkStream {
       for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
     }
   }
-  // After chunk q's products completed in every thread: refill its stage.
+  // After chunk q's products completed in every thread (q < 0: none):
+  // one block barrier, then refill its stage.
   __device__ void release(int q, uint64_t* bars) const {
     __syncthreads();
-    if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
+    if (threadIdx.x == 0 && q >= 0 && q + depth < total()) issue(q + depth, bars);
   }
 };
 
@@ -1203,16 +1204,20 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     cuda::fence_proxy_async();
     __syncthreads();
     zero(hacc);
+    // One chunk's products stay queued behind the next's (wait<1>), so the
+    // tensor cores never idle across the barrier that frees a stage.
     for (int q = 0; q < st.total(); ++q) {
       chunk_products<kH / 2>(hacc, st, q, smem + kXs + (q % 2) * kXChunk, kS * kBlock, bars);
+      if (q + 1 < st.total()) load_x(q + 1);
+      cuda::wgmma_wait<1>();  // chunk q - 1 complete: its stage and x buffer are free
       if (q + 1 < st.total()) {
-        load_x(q + 1);
-        store_x((q + 1) % 2);  // read by chunk q - 1's products, complete
+        store_x((q + 1) % 2);
         cuda::fence_proxy_async();
       }
-      cuda::wgmma_wait<0>();
-      st.release(q, bars);
+      st.release(q - 1, bars);
     }
+    cuda::wgmma_wait<0>();
+    st.release(st.total() - 1, bars);
     // Every chunk has been consumed (the last release's barrier): h may
     // overwrite the ring.
     for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
@@ -1234,9 +1239,11 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     zero(macc);
     for (int q = 0; q < st.total(); ++q) {
       chunk_products<kLp>(macc, st, q, smem + q * kS * kBlock, kHPlane, bars);
-      cuda::wgmma_wait<0>();
-      st.release(q, bars);
+      cuda::wgmma_wait<1>();
+      st.release(q - 1, bars);
     }
+    cuda::wgmma_wait<0>();
+    st.release(st.total() - 1, bars);
     float* const ms = smem + kMs;
     if (wgi == 1) {
       for_each_pair<kLp>(macc, [&](int r, int, int l, float v0, float v1) {
@@ -1314,9 +1321,11 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       zero(dacc);
       for (int c = 0; c < kDecChunks; ++c, ++q) {
         chunk_products<kPass / 2>(dacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
-        cuda::wgmma_wait<0>();
-        st.release(q, bars);
+        cuda::wgmma_wait<1>();
+        st.release(c > 0 ? q - 1 : -1, bars);  // the pass before released its last chunk itself
       }
+      cuda::wgmma_wait<0>();
+      st.release(q - 1, bars);
       const int n0 = p * kPass + wgi * (kPass / 2);
       for_each_pair<kPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
     }
@@ -1325,9 +1334,11 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       zero(dacc);
       for (int c = 0; c < kDecChunks; ++c, ++q) {
         chunk_products<kTailPass / 2>(dacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
-        cuda::wgmma_wait<0>();
-        st.release(q, bars);
+        cuda::wgmma_wait<1>();
+        st.release(c > 0 ? q - 1 : -1, bars);
       }
+      cuda::wgmma_wait<0>();
+      st.release(q - 1, bars);
       const int n0 = w.full_passes * kPass + p * kTailPass + wgi * (kTailPass / 2);
       for_each_pair<kTailPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
     }
