@@ -137,8 +137,15 @@ def test_matches_reference(B, I, H, L, dtype, device):
 
 # Accuracy summed over fresh trials (one run's error is a noisy quantity for
 # both implementations; the sum is a stable measure of a systematic loss).
-@pytest.mark.parametrize("B,I,H,L,trials", [(128, 784, 256, 32, 8), (1000, 1000, 130, 17, 4)])
-def test_float32_accuracy_vs_float64(B, I, H, L, trials, device):
+# B=2048 at 784-256-32 runs the 3xTF32 tensor-core paths on CUDA, held to 4x
+# the float32 reference's error (measured 1.5-3x on the H200; summing the
+# whole K in the tensor cores' accumulators gave 10-45x); on the CPU the same
+# bound is loose.
+@pytest.mark.parametrize(
+    "B,I,H,L,trials,bound",
+    [(128, 784, 256, 32, 8, 2), (1000, 1000, 130, 17, 4, 2), (2048, 784, 256, 32, 3, 4)],
+)
+def test_float32_accuracy_vs_float64(B, I, H, L, trials, bound, device):
     err_fused, err_ref, scale = [0.0] * 3, [0.0] * 3, [0.0] * 3
     for _ in range(trials):
         args = make_inputs(B, I, H, L, device=device)
@@ -150,7 +157,7 @@ def test_float32_accuracy_vs_float64(B, I, H, L, trials, device):
             err_fused[i] += (got[i].double() - exact[i]).abs().max().item()
             scale[i] += max(exact[i].abs().max().item(), 1.0)
     for i, name in enumerate(OUT_NAMES):
-        assert err_fused[i] <= 2 * err_ref[i] + 2.0**-23 * scale[i], (
+        assert err_fused[i] <= bound * err_ref[i] + 2.0**-23 * scale[i], (
             f"{name}: fused {err_fused[i]:.3e} vs reference {err_ref[i]:.3e} (summed over {trials} runs)"
         )
 

@@ -21,13 +21,20 @@
 //          multiples of 4 and the pointers are 16-byte aligned, element by
 //          element otherwise.  Hit by the default size (B=128, 784-256-32)
 //          and every float32 test size below 2048 rows.
+// wgmma    float32, compute capability 9.0 with the sm_90a code built
+//          (FUSED_OPS_SM90A, setup.py), B >= kTiledMinBatch (2048), H == 256,
+//          L <= 32, any I.  The tiled path's design on Hopper's warpgroup
+//          products: a packing launch, then one CTA per 64 samples whose two
+//          warpgroups read both operands from shared memory, the weights
+//          brought by bulk copies (the "wgmma path" section).  Hit by B=8192
+//          at 784-256-32: 137 us against the tiled kernel's 185-193.
 // tiled    float32, compute capability >= 8.0, B >= kTiledMinBatch (2048),
 //          H % 8 == 0, H <= 256 and the tile's activations fit in the
 //          device's shared memory (at H = 256 on an H200: L <= 72).  A packing launch for the weights, then one
 //          launch of one CTA per 64 samples running the
 //          whole pass on chip with 3xTF32 tensor-core products (see the
-//          section below).  Hit by B=8192 at 784-256-32 and every float32 test
-//          size with B >= 2048 and H % 8 == 0.
+//          section below).  Hit by float32 sizes with B >= 2048 and H % 8 ==
+//          0 that the wgmma path does not take (sm_80, H != 256, L > 32).
 // general  everything else: float64, pre-sm_80 GPUs, sizes whose activations do
 //          not fit in shared memory.  One block per sample, activations in a
 //          global workspace, warp-per-neuron dot products.  Hit by float64 and
@@ -962,6 +969,17 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
 // (encoder) and then wait for the products, meet at one block barrier (the
 // chunk's stage and x buffer are free again) and refill the stage.
 //
+// Accuracy: each chunk's products go into a fresh accumulator, added to
+// the layer's running sums with ordinary float32 adds.  The tensor cores'
+// own accumulation is not float32 round-to-nearest: with the whole K summed
+// in the wgmma accumulators the outputs were 10-45x further from a float64
+// reference than the float32 reference's (recon, kl; B=2053 and 8192 at
+// 784-256-32), with per-chunk sums (32 k) 1.5-3x (tenth session's run 4 in
+// bench/results/nvidia-h200-gpu-run.txt).  The price: a chunk's products
+// must complete before the next chunk's are issued (the adds read them, and
+// ptxas serialises every wgmma of a kernel that reads accumulators while
+// others are in flight): 127 -> 137 us at B=8192.
+//
 // Shape: H == 256 (the encoder and the decoder's hidden layer are one m64n128
 // product per warpgroup), 1 <= L <= 32 (mu | logvar: n32 per warpgroup, the
 // latent padded to 32 columns), any I (K padded with zeros to whole chunks;
@@ -1204,20 +1222,20 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     cuda::fence_proxy_async();
     __syncthreads();
     zero(hacc);
-    // One chunk's products stay queued behind the next's (wait<1>), so the
-    // tensor cores never idle across the barrier that frees a stage.
+    float cacc[kH / 4];
     for (int q = 0; q < st.total(); ++q) {
-      chunk_products<kH / 2>(hacc, st, q, smem + kXs + (q % 2) * kXChunk, kS * kBlock, bars);
+      zero(cacc);
+      chunk_products<kH / 2>(cacc, st, q, smem + kXs + (q % 2) * kXChunk, kS * kBlock, bars);
       if (q + 1 < st.total()) load_x(q + 1);
-      cuda::wgmma_wait<1>();  // chunk q - 1 complete: its stage and x buffer are free
+      cuda::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kH / 4; ++i) hacc[i] += cacc[i];
       if (q + 1 < st.total()) {
         store_x((q + 1) % 2);
         cuda::fence_proxy_async();
       }
-      st.release(q - 1, bars);
+      st.release(q, bars);
     }
-    cuda::wgmma_wait<0>();
-    st.release(st.total() - 1, bars);
     // Every chunk has been consumed (the last release's barrier): h may
     // overwrite the ring.
     for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
@@ -1238,12 +1256,14 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     float macc[kLp / 2];
     zero(macc);
     for (int q = 0; q < st.total(); ++q) {
-      chunk_products<kLp>(macc, st, q, smem + q * kS * kBlock, kHPlane, bars);
-      cuda::wgmma_wait<1>();
-      st.release(q - 1, bars);
+      float cacc[kLp / 2];
+      zero(cacc);
+      chunk_products<kLp>(cacc, st, q, smem + q * kS * kBlock, kHPlane, bars);
+      cuda::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kLp / 2; ++i) macc[i] += cacc[i];
+      st.release(q, bars);
     }
-    cuda::wgmma_wait<0>();
-    st.release(st.total() - 1, bars);
     float* const ms = smem + kMs;
     if (wgi == 1) {
       for_each_pair<kLp>(macc, [&](int r, int, int l, float v0, float v1) {
@@ -1320,12 +1340,14 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       float dacc[kPass / 4];
       zero(dacc);
       for (int c = 0; c < kDecChunks; ++c, ++q) {
-        chunk_products<kPass / 2>(dacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
-        cuda::wgmma_wait<1>();
-        st.release(c > 0 ? q - 1 : -1, bars);  // the pass before released its last chunk itself
+        float cacc[kPass / 4];
+        zero(cacc);
+        chunk_products<kPass / 2>(cacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
+        cuda::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kPass / 4; ++i) dacc[i] += cacc[i];
+        st.release(q, bars);
       }
-      cuda::wgmma_wait<0>();
-      st.release(q - 1, bars);
       const int n0 = p * kPass + wgi * (kPass / 2);
       for_each_pair<kPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
     }
@@ -1333,12 +1355,14 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       float dacc[kTailPass / 4];
       zero(dacc);
       for (int c = 0; c < kDecChunks; ++c, ++q) {
-        chunk_products<kTailPass / 2>(dacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
-        cuda::wgmma_wait<1>();
-        st.release(c > 0 ? q - 1 : -1, bars);
+        float cacc[kTailPass / 4];
+        zero(cacc);
+        chunk_products<kTailPass / 2>(cacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
+        cuda::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kTailPass / 4; ++i) dacc[i] += cacc[i];
+        st.release(q, bars);
       }
-      cuda::wgmma_wait<0>();
-      st.release(q - 1, bars);
       const int n0 = w.full_passes * kPass + p * kTailPass + wgi * (kTailPass / 2);
       for_each_pair<kTailPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
     }
