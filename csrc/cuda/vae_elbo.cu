@@ -505,13 +505,6 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
     store_losses(a, row0 + int(threadIdx.x), recon, kl_sum);
   }
   cluster.barrier_wait(std::move(finished));
-  // No thread waits on the mbarriers any more: end their life before this
-  // shared memory serves a later block (compute-sanitizer's synccheck
-  // tracks mbarriers by address across blocks).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int e = 0; e < (rank == 0 ? kNumExchanges : kExSums); ++e) cuda::mbarrier_inval(bars + e);
-  }
 #else
   __trap();  // launched only on compute capability >= 9.0
 #endif
