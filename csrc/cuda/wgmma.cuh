@@ -3,7 +3,7 @@
 //
 // Why: on the H200 a CTA of two warpgroups issuing wgmma.m64nNk8 TF32
 // sustains ~917 multiply-adds per clock per SM, mma.sync.m16n8k8 ~470
-// (scratch probe, tenth session's run 1 in bench/results/nvidia-h200-gpu-run.txt):
+// (bench/wgmma_probe.cu, bench/results/nvidia-h200-wgmma-probe.txt):
 // for the 3xTF32 products of the tiled paths that is the difference between
 // being bound by the tensor cores and by everything around them.
 //
