@@ -93,25 +93,28 @@ def cuda_arch_flags():
     9.0 -- unless the list also asks for plain sm_90 code: with both in one
     binary the loader's choice between them is not ours, so the build then
     keeps to the sm_80 / sm_90 kernels.  Without any "+PTX" entry, portable
-    compute_90 PTX is added so that newer GPUs can JIT-compile the rest
-    (sm_90a code and its PTX run on compute capability 9.0 only).  The flags
-    are all written here: torch's build adds none of its own once -gencode
-    flags are given.
+    PTX of the newest listed architecture (compute_90 for the default) is
+    added so that newer GPUs can JIT-compile the rest (sm_90a code and its
+    PTX run on compute capability 9.0 only).  The flags are all written
+    here: torch's build adds none of its own once -gencode flags are given.
     """
-    arches = [a.strip() for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";") if a.strip()]
-    flags, macros = [], []
-    for arch in arches:
-        base = arch.split("+")[0]
+    entries = [a.strip() for a in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";") if a.strip()]
+    bases = [a.split("+")[0] for a in entries]  # "9.0a+PTX" -> "9.0a"
+    if not all(b.rstrip("a").replace(".", "").isdigit() for b in bases):
+        # Named architectures ("Ampere", ...): torch's own flags, no wgmma kernels.
+        print(f"fused_ops: TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']!r} has named entries; "
+              "torch picks the -gencode flags and the sm_90a (wgmma) kernels are not built")
+        return [], []
+    flags = []
+    for entry, base in zip(entries, bases):
         num = base.replace(".", "")
-        if not num.rstrip("a").isdigit():
-            sys.exit(f"TORCH_CUDA_ARCH_LIST: cannot read {arch!r} (expected entries such as 8.0, 9.0a, 9.0+PTX)")
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        if arch.endswith("+PTX"):
+        if entry.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-    if not any(a.endswith("+PTX") for a in arches):
-        flags.append("-gencode=arch=compute_90,code=compute_90")
-    if "9.0a" in arches and not any(a.split("+")[0] == "9.0" for a in arches):
-        macros.append(("FUSED_OPS_SM90A", None))
+    if not any(e.endswith("+PTX") for e in entries):
+        newest = max(bases, key=lambda b: float(b.rstrip("a"))).rstrip("a").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
+    macros = [("FUSED_OPS_SM90A", None)] if "9.0a" in bases and "9.0" not in bases else []
     return flags, macros
 
 
