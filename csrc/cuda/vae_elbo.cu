@@ -60,6 +60,7 @@
 #include <optional>
 #include <utility>
 #include <tuple>
+#include <type_traits>
 
 #include "cuda/mbarrier.cuh"
 #include "cuda/reductions.cuh"
@@ -1102,11 +1103,11 @@ struct ChunkStream {
       for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
     }
   }
-  // After chunk q's products completed in every thread (q < 0: none):
-  // one block barrier, then refill its stage.
+  // After chunk q's products completed in every thread: one block barrier,
+  // then refill its stage.
   __device__ void release(int q, uint64_t* bars) const {
     __syncthreads();
-    if (threadIdx.x == 0 && q >= 0 && q + depth < total()) issue(q + depth, bars);
+    if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
   }
 };
 
@@ -1328,36 +1329,27 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
         if (n + 1 < I) rsum[h] += bce_term(v1 + __ldg(a.b_d2 + n + 1), __ldg(xr + n + 1));
       }
     };
+    // One decoder pass of NP columns (NP / 2 per warpgroup) from column n0.
     int q = 0;
-    for (int p = 0; p < w.full_passes; ++p) {
-      float dacc[kPass / 4];
+    auto decoder_pass = [&](auto np, int n0) {
+      constexpr int NP = decltype(np)::value;
+      float dacc[NP / 4];
       zero(dacc);
       for (int c = 0; c < kDecChunks; ++c, ++q) {
-        float cacc[kPass / 4];
+        float cacc[NP / 4];
         zero(cacc);
-        chunk_products<kPass / 2>(cacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
+        chunk_products<NP / 2>(cacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
         cuda::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < kPass / 4; ++i) dacc[i] += cacc[i];
+        for (int i = 0; i < NP / 4; ++i) dacc[i] += cacc[i];
         st.release(q, bars);
       }
-      const int n0 = p * kPass + wgi * (kPass / 2);
-      for_each_pair<kPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
-    }
+      n0 += wgi * (NP / 2);
+      for_each_pair<NP / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
+    };
+    for (int p = 0; p < w.full_passes; ++p) decoder_pass(std::integral_constant<int, kPass>{}, p * kPass);
     for (int p = 0; p < w.tail_passes; ++p) {
-      float dacc[kTailPass / 4];
-      zero(dacc);
-      for (int c = 0; c < kDecChunks; ++c, ++q) {
-        float cacc[kTailPass / 4];
-        zero(cacc);
-        chunk_products<kTailPass / 2>(cacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
-        cuda::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kTailPass / 4; ++i) dacc[i] += cacc[i];
-        st.release(q, bars);
-      }
-      const int n0 = w.full_passes * kPass + p * kTailPass + wgi * (kTailPass / 2);
-      for_each_pair<kTailPass / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
+      decoder_pass(std::integral_constant<int, kTailPass>{}, w.full_passes * kPass + p * kTailPass);
     }
   }
   float* const wpart = smem + kWpart;
