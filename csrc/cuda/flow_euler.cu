@@ -1113,6 +1113,10 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
   auto add_chunk = [&](float (&acc)[2][4][4], int q, int kc, int tiles, auto nv) {
     constexpr int NV = decltype(nv)::value;
     const float* buf = wbuf + (q % kStages) * kChunkFloats + warp * kFragFloats + lane * 2;
+    // The chunk's products into a fresh accumulator, added to acc in float32:
+    // the tensor cores' own accumulation over a whole K is far less accurate
+    // (vae_elbo.cu's wgmma section, "Accuracy").
+    float part[2][4][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kKChunk / 8; ++kk) {
       const float* ap = a_lane + kc * kKChunk + kk * 8;
@@ -1129,8 +1133,14 @@ __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, co
         const cuda::SplitTf32 b0 = cuda::split_tf32(w.x), b1 = cuda::split_tf32(w.y);
         bb[i][0] = b0.big, bb[i][1] = b1.big, bs[i][0] = b0.small, bs[i][1] = b1.small;
       }
-      cuda::mma_3xtf32_tiles(acc, ab, as, bb, bs, NV);
+      cuda::mma_3xtf32_tiles(part, ab, as, bb, bs, NV);
     }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][i][e] += part[m][i][e];
   };
 
   // Accumulates pass p (all its k-chunks) into acc.

@@ -631,6 +631,16 @@ struct TiledWeights {
   PackedWeight enc, mu, lv, d1, d2;
 };
 
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[kMT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+}
+
 // acc[mt][nt] += A[rows mt*16.., 8 s..) * W[8 (tile0 + nt).., 8 s..)^T over
 // k-steps s < ksteps, for the 64 rows of the split A (shared, zero in the
 // padded columns) and the packed weight W (tiles past W.tiles read as zero).
@@ -667,6 +677,11 @@ __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const cuda:
   for (int d = 0; d < kDepth - 1; ++d) load_b(ring[d], d);
   for (int s0 = 0; s0 < ksteps; s0 += kDepth) {
     if (CHUNKED) before_chunk(s0 / kDepth);
+    // This chunk's kDepth k-steps into a fresh accumulator, added to acc in
+    // float32 afterwards: the tensor cores' own accumulation over the whole
+    // K is far less accurate (the wgmma section's "Accuracy").
+    float part[kMT][NT][4];
+    zero_acc(part);
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
       const int s = s0 + d;
@@ -690,8 +705,14 @@ __device__ __forceinline__ void mma_rows64(float (&acc)[kMT][NT][4], const cuda:
         cuda::ldmatrix_x4(ab[mt], p);
         cuda::ldmatrix_x4(as[mt], p + A.plane_floats);
       }
-      cuda::mma_3xtf32_tiles(acc, ab, as, bb, bs);
+      cuda::mma_3xtf32_tiles(part, ab, as, bb, bs);
     }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] += part[mt][nt][i];
   }
 }
 
@@ -716,15 +737,6 @@ __device__ __forceinline__ void for_each_acc(const float (&acc)[kMT][NT][4], int
       }
 }
 
-template <int NT>
-__device__ __forceinline__ void zero_acc(float (&acc)[kMT][NT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-}
 
 // BCE terms of the decoder logits of one pass (tiles at tile0) into the
 // per-row sums: lane (g, t) owns rows g + 8 j (j < 2 kMT), summed in a fixed
