@@ -80,7 +80,7 @@ CASES = [
     (66, 64, 256, 2),  # split (2), the most rows
     (67, 64, 256, 2),  # row, the fewest rows
     (129, 64, 256, 3),  # row, a block per SM but three
-    (133, 64, 256, 2),  # tiled: one row more than an H200 has SMs
+    (133, 64, 256, 2),  # wgmma on an sm_90a build (tiled otherwise): one row more than an H200 has SMs
     (1, 1, 3, 1),  # cluster, smallest
     (3, 5, 20, 2),  # cluster
     (32, 100, 130, 7),  # cluster, largest B
@@ -90,7 +90,7 @@ CASES = [
     (129, 100, 130, 7),  # tiled, ragged last tile
     (33, 5, 20, 2),  # tiled
     (129, 1, 45, 100),  # tiled, D = 1
-    (4096, 64, 256, 32),  # tiled, large-batch default
+    (4096, 64, 256, 32),  # wgmma on an sm_90a build (tiled otherwise), large-batch default
     (129, 3, 300, 2),  # tiled, two column passes (the second layer kept in registers)
     (8, 5, 1100, 2),  # general: too large for the cluster
     (40, 3, 1100, 1),  # general: too large for a tile

@@ -1,4 +1,4 @@
-// CUDA kernels of fused_ops::flow_euler.  Five paths, chosen per call on the
+// CUDA kernels of fused_ops::flow_euler.  Six paths, chosen per call on the
 // host (flow_euler_cuda below) from the dtype, the sizes and the device:
 //
 // split    float32 at exactly D = 64, H = 256 (the default), sm_90, B <= half
@@ -43,6 +43,13 @@
 //          dependent chains, so the work split (ClusterLayer) spreads even
 //          the short layers over all warps and the index arithmetic uses
 //          host-prepared dividers (cuda/int_divider.cuh).
+//
+// wgmma    float32 at exactly D = 64, H = 256 on compute capability 9.0 with
+//          the sm_90a code built (FUSED_OPS_SM90A), B beyond the paths above
+//          (the large-batch default B=4096): a packing kernel, then one
+//          launch of a CTA pair per 64 rows, each CTA computing half of
+//          every layer's columns with warpgroup products.  See "wgmma path".
+//          NOT YET RUN ON A GPU (branch flow-wgmma).
 //
 // tiled    float32, compute capability >= 8.0, any B, when a 32-row tile's
 //          activations and three weight chunks fit shared memory (H <= 512
@@ -93,6 +100,7 @@
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
+#include "cuda/wgmma_stream.cuh"
 #include "flow_euler.h"
 
 namespace fused_ops {
@@ -1308,6 +1316,219 @@ void launch_tiled(const FlowEulerCall& c) {
 }
 
 // ---------------------------------------------------------------------------
+// wgmma path (sm_90a: H100 / H200; D = 64, H = 256, float32)
+// ---------------------------------------------------------------------------
+//
+// The tile kernel's work with Hopper's warpgroup products (cuda/wgmma.cuh,
+// cuda/wgmma_stream.cuh).  wgmma's M is 64, and 64-row tiles alone would
+// leave half of an H200 idle at B=4096 (64 tiles), so each tile runs on a
+// pair of CTAs (a 2-CTA cluster) that split every layer's output columns:
+// CTA r computes columns [r N/2, (r+1) N/2) of each layer (its warpgroups a
+// quarter each), streaming only its half of the weights, and stores its half
+// of the activations into both CTAs' copies (distributed shared memory), so
+// each CTA holds the full A operand of the next layer.  Shared memory: h
+// split (64 x 256, two planes: 128 KB; x's split copy lives in its first
+// eight k-step blocks, the A operand of layer 1) and a ring of three 32 KB
+// weight chunks; the chunk sequence (18 per step) repeats every step, so
+// the bulk copies run ahead across layers and steps.  x itself stays in
+// registers, in the layer-3 accumulators' layout (each thread its 8 values),
+// and is updated there in float32.  A layer: products (per-chunk float32
+// sums, as in every wgmma kernel here) -> cluster barrier (both CTAs are done
+// reading the layer's input) -> bias, SiLU / Euler update, split, stores
+// into both copies -> cluster barrier (the output is complete in both).
+namespace fwg {
+
+using cuda::wgs::kBlock;
+using cuda::wgs::kKChunk;
+using cuda::wgs::kS;
+using cuda::wgs::kStages;
+using cuda::wgs::chunk_floats;
+
+constexpr int kD = 64, kH = 256;
+constexpr int kThreadsW = 256;
+constexpr int kRowsW = 64;
+constexpr int kNp12 = kH / 2;                 // layer 1-2 columns per CTA (n64 per warpgroup)
+constexpr int kNp3 = kD / 2;                  // layer 3 columns per CTA (n16 per warpgroup)
+constexpr int kChunks1 = kD / kKChunk;        // 2
+constexpr int kChunks23 = kH / kKChunk;       // 8
+constexpr int kChunksStep = kChunks1 + 2 * kChunks23;
+constexpr int kHPlane = kH / 8 * kBlock;      // one plane of h (floats)
+constexpr int kStage = chunk_floats(kNp12);   // 32 KB: the largest chunk
+constexpr int kRing = 2 * kHPlane;
+constexpr int kBarsAt = kRing + kStages * kStage;
+constexpr size_t kSmem = sizeof(float) * kBarsAt + kStages * sizeof(uint64_t);
+// Packed weights of one CTA rank: layer 1 then layer 2 (chunks of kStage
+// floats), then layer 3 (chunks of chunk_floats(kNp3)).
+constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
+
+#if defined(FUSED_OPS_WGMMA)
+// The 8 (row, column) positions of this thread in a layer-3 accumulator
+// (n16 per warpgroup): index 4 j + 2 h + e is row g + 8 h, column
+// col0 + 8 j + 2 t + e of the CTA's half.
+__device__ __forceinline__ int acc3_row(int i) {
+  return 16 * (int(threadIdx.x) / 32 % 4) + (int(threadIdx.x) % 32) / 4 + 8 * ((i / 2) % 2);
+}
+__device__ __forceinline__ int acc3_col(int i, int rank) {
+  return rank * kNp3 + (int(threadIdx.x) / 128) * (kNp3 / 2) + 8 * (i / 4) + 2 * (int(threadIdx.x) % 4) + i % 2;
+}
+#endif
+
+__global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowParams p, const float* packed) {
+#if defined(FUSED_OPS_WGMMA)
+  extern __shared__ __align__(128) float smem[];
+  namespace wgs = cuda::wgs;
+  using wgs::ChunkStream;
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kBarsAt);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int tid = int(threadIdx.x), wgi = tid / 128;
+  const int row0 = int(blockIdx.x / 2) * kRowsW, rows = max(0, min(kRowsW, p.B - row0));
+  float* const own = smem;                                             // h (x in its first blocks)
+  float* const other = cluster.map_shared_rank(smem, rank ^ 1);        // the partner's copy
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) cuda::mbarrier_init(bars + s, 1);
+    cuda::mbarrier_init_fence();
+  }
+  __syncthreads();
+  const float* const mine = packed + rank * kPackedPerRank;
+  ChunkStream st{mine, kStage, kChunks1 + kChunks23, mine + int64_t(kChunks1 + kChunks23) * kStage,
+                 chunk_floats(kNp3), kChunks23, smem + kRing, kStage, kStages, 0, p.num_steps};
+  st.prologue(bars);
+
+  // x: this thread's 8 values in registers; the whole tile's split copy in
+  // shared memory (each CTA stages all 64 columns itself at the start).
+  float xm[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = acc3_row(i);
+    xm[i] = r < rows ? p.x0[int64_t(row0 + r) * kD + acc3_col(i, rank)] : 0.0f;
+  }
+  for (int idx = tid; idx < kRowsW * kD / 2; idx += kThreadsW) {
+    const int r = idx / (kD / 2), k = 2 * (idx % (kD / 2));
+    const float* src = p.x0 + int64_t(row0 + r) * kD + k;
+    wgs::store_split_pair(own, kHPlane, r, k, r < rows ? src[0] : 0.0f, r < rows ? src[1] : 0.0f);
+  }
+  cuda::fence_proxy_async();
+  cluster.sync();  // (also: the partner runs before anything is stored into it)
+
+  // Stores the pair into both CTAs' copies of the A operand at (r, k).
+  auto store_both = [&](int r, int k, float v0, float v1) {
+    wgs::store_split_pair(own, kHPlane, r, k, v0, v1);
+    wgs::store_split_pair(other, kHPlane, r, k, v0, v1);
+  };
+  // Makes the stores above visible to both CTAs' tensor cores.
+  auto publish = [&] {
+    asm volatile("fence.proxy.async;" ::: "memory");
+    cluster.sync();
+  };
+
+  int q = 0;
+  for (int step = 0; step < p.num_steps; ++step) {
+    const float t = flow_step_time<float>(step, p.num_steps);
+    // Layer 1: x [64 x 64] -> h1, columns [rank * 128, +128).
+    {
+      float acc[kNp12 / 4];
+      wgs::zero(acc);
+      for (int c = 0; c < kChunks1; ++c, ++q) {
+        wgs::add_chunk<kNp12 / 2>(acc, st, q, own + c * kS * kBlock, kHPlane, bars, [] {});
+        st.release(q, bars);
+      }
+      cluster.sync();  // both CTAs are done reading x
+      wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
+        const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
+        store_both(r, n, silu(v0 + t * __ldg(p.w1 + n * (kD + 1) + kD) + __ldg(p.b1 + n)),
+                   silu(v1 + t * __ldg(p.w1 + (n + 1) * (kD + 1) + kD) + __ldg(p.b1 + n + 1)));
+      });
+      publish();
+    }
+    // Layer 2: h1 -> h2 (in place, after both CTAs have read h1).
+    {
+      float acc[kNp12 / 4];
+      wgs::zero(acc);
+      for (int c = 0; c < kChunks23; ++c, ++q) {
+        wgs::add_chunk<kNp12 / 2>(acc, st, q, own + c * kS * kBlock, kHPlane, bars, [] {});
+        st.release(q, bars);
+      }
+      cluster.sync();
+      wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
+        const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
+        store_both(r, n, silu(v0 + __ldg(p.b2 + n)), silu(v1 + __ldg(p.b2 + n + 1)));
+      });
+      publish();
+    }
+    // Layer 3 and the Euler update of this thread's x values; the new x goes
+    // into both copies of layer 1's A operand.
+    {
+      float acc[kNp3 / 4];
+      wgs::zero(acc);
+      for (int c = 0; c < kChunks23; ++c, ++q) {
+        wgs::add_chunk<kNp3 / 2>(acc, st, q, own + c * kS * kBlock, kHPlane, bars, [] {});
+        st.release(q, bars);
+      }
+      cluster.sync();
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xm[i] = euler_step(xm[i], p.dt, acc[i] + __ldg(p.b3 + acc3_col(i, rank)));
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) store_both(acc3_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
+      publish();
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = acc3_row(i);
+    if (r < rows) p.x[int64_t(row0 + r) * kD + acc3_col(i, rank)] = xm[i];
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) cuda::mbarrier_inval(bars + s);
+  }
+#else
+  (void)p;
+  (void)packed;
+  __trap();  // launched only where the sm_90a code was built (FUSED_OPS_SM90A)
+#endif
+}
+
+}  // namespace fwg
+
+// Launches the wgmma path; false when it does not apply.
+bool launch_wgmma(const FlowEulerCall& c) {
+#if defined(FUSED_OPS_SM90A)
+  if (c.x.scalar_type() != ScalarType::Float || c.D != fwg::kD || c.H != fwg::kH ||
+      c.B > int64_t(INT_MAX) - fwg::kRowsW || cuda::compute_capability_major() != 9 ||
+      cuda::device_attribute(cudaDevAttrComputeCapabilityMinor) != 0 ||
+      !cuda::cluster_fits(fwg::flow_wgmma_kernel, 2, fwg::kThreadsW, fwg::kSmem)) {
+    return false;
+  }
+  const FlowParams p = flow_params(c);
+  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
+  Tensor packed = empty_like_device(c.x, {2 * fwg::kPackedPerRank});
+  float* out = packed.mutable_data_ptr<float>();
+  using cuda::wgs::CorePack;
+  cuda::wgs::CorePackBatch batch{};
+  for (int r = 0; r < 2; ++r) {
+    float* base = out + r * fwg::kPackedPerRank;
+    // (w0, w1, ld, rows, K, np, n_start, passes, kchunks, out): w1 without its time column.
+    batch.p[3 * r] = CorePack{p.w1, nullptr, fwg::kD + 1, fwg::kH, fwg::kD, fwg::kNp12, r * fwg::kNp12, 1,
+                              fwg::kChunks1, base};
+    batch.p[3 * r + 1] = CorePack{p.w2, nullptr, fwg::kH, fwg::kH, fwg::kH, fwg::kNp12, r * fwg::kNp12, 1,
+                                  fwg::kChunks23, base + fwg::kChunks1 * fwg::kStage};
+    batch.p[3 * r + 2] = CorePack{p.w3, nullptr, fwg::kH, fwg::kD, fwg::kH, fwg::kNp3, r * fwg::kNp3, 1,
+                                  fwg::kChunks23, base + (fwg::kChunks1 + fwg::kChunks23) * fwg::kStage};
+  }
+  cuda::wgs::pack_core(stream, batch, 6);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  const int64_t tiles = (c.B + fwg::kRowsW - 1) / fwg::kRowsW;
+  const cuda::ClusterLaunch launch(2 * tiles, 2, fwg::kThreadsW, fwg::kSmem, stream);
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, fwg::flow_wgmma_kernel, p, static_cast<const float*>(out)));
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  return true;
+#else
+  (void)c;
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // entry point
 // ---------------------------------------------------------------------------
 
@@ -1336,6 +1557,7 @@ Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, con
     launch_row(c);
   } else if (const int blocks = cluster_blocks_for(c)) {
     launch_cluster(c, blocks);
+  } else if (launch_wgmma(c)) {
   } else if (tiled_applies(c)) {
     launch_tiled(c);
   } else {

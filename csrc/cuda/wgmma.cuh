@@ -1,5 +1,6 @@
 // Hopper warpgroup matrix products (wgmma, sm_90a) on TF32 operands in
-// shared memory, and the operand layout they read.
+// shared memory, the operand layout they read, and the pieces of a kernel
+// that streams packed weights through them (bottom).
 //
 // Why: on the H200 a CTA of two warpgroups issuing wgmma.m64nNk8 TF32
 // sustains ~917 multiply-adds per clock per SM, mma.sync.m16n8k8 ~470
@@ -68,6 +69,13 @@ __device__ __forceinline__ void wgmma_tf32<8>(float (&d)[4], uint64_t a, uint64_
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {%0, %1, %2, %3}, %4, %5, 1, 1, 1;"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_tf32<16>(float (&d)[8], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "l"(a), "l"(b));
 }
 template <>

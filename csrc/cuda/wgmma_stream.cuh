@@ -1,0 +1,207 @@
+// Streaming packed weights through Hopper warpgroup products (sm_90a): the
+// pieces the wgmma kernels share.  A CTA of two warpgroups owns 64 rows of
+// activations (the wgmma M), kept in shared memory split into TF32 big and
+// small planes in wgmma.cuh's operand layout; the weights are packed once per
+// call, split, in the same layout and in the order they are consumed, and
+// arrive in chunks of kS k-steps by bulk copies (one thread issues them)
+// through a ring of up to kStages stages, each completing on its own
+// mbarrier.  Each chunk's 3xTF32 products go into a fresh accumulator that is
+// added to the running sums in float32: the tensor cores' own accumulation
+// over a whole K is far less accurate (vae_elbo.cu's wgmma section, tenth
+// session's runs 3-4).
+//
+// (vae_elbo.cu's wgmma kernel carries its own copy of these pieces; it moves
+// onto this header once the flow kernel that introduced it has run.)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/mbarrier.cuh"
+#include "cuda/tf32x3.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace fused_ops {
+namespace cuda {
+namespace wgs {
+
+constexpr int kS = 4;                  // k-steps per weight chunk
+constexpr int kKChunk = 8 * kS;        // K columns per chunk
+constexpr int kStages = 3;             // mbarriers of the ring
+constexpr int kBlock = 64 * 8;         // one k-step block of a 64-row A operand, floats
+__host__ __device__ constexpr int chunk_floats(int np) { return 2 * kS * np * 8; }
+
+// Packed weights: for each pass of np output columns, its K in chunks of kS
+// k-steps, each chunk [plane: big, small][k-step][np / 8 column groups]
+// [core matrices: k < 4, k >= 4][8 columns][4 k].  Column c of pass q is
+// weight row n_start + q np + c; with w1 set, the first np / 2 columns are
+// rows of w0 and the rest rows of w1.  Rows past `rows` and k past K are zero.
+struct CorePack {
+  const float *w0, *w1;
+  int ld, rows, K, np, n_start, passes, kchunks;
+  float* out;
+  __host__ __device__ int64_t size() const { return int64_t(passes) * kchunks * chunk_floats(np); }
+};
+constexpr int kMaxPacks = 6;
+struct CorePackBatch {
+  CorePack p[kMaxPacks];  // blockIdx.y picks one; gridDim.y of them are used
+};
+
+// One thread per four consecutive k of a packed column (a float4 in each plane).
+__global__ void __launch_bounds__(256) pack_core_kernel(const CorePackBatch batch) {
+  CorePack m = batch.p[0];
+#pragma unroll
+  for (int i = 1; i < kMaxPacks; ++i)
+    if (int(blockIdx.y) == i) m = batch.p[i];
+  const int plane = chunk_floats(m.np) / 2, quads = plane / 4;
+  const int64_t total = int64_t(m.passes) * m.kchunks * quads;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int chunk = int(i / quads), o = int(i % quads) * 4;
+    const int q = chunk / m.kchunks, c = chunk % m.kchunks;
+    const int s = o / (m.np * 8), o3 = o % (m.np * 8);
+    const int col = (o3 / 64) * 8 + (o3 % 32) / 4;
+    const int k = (c * kS + s) * 8 + ((o3 % 64) / 32) * 4;
+    const float* src = m.w0;
+    int row = m.n_start + q * m.np + col;
+    if (m.w1 != nullptr) {
+      const bool second = col >= m.np / 2;
+      src = second ? m.w1 : m.w0;
+      row = second ? col - m.np / 2 : col;
+    }
+    float big[4], small[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float v = (row < m.rows && k + e < m.K) ? __ldg(src + int64_t(row) * m.ld + k + e) : 0.0f;
+      const SplitTf32 sp = split_tf32(v);
+      big[e] = __uint_as_float(sp.big);
+      small[e] = __uint_as_float(sp.small);
+    }
+    float* const out = m.out + int64_t(chunk) * 2 * plane + o;
+    *reinterpret_cast<float4*>(out) = make_float4(big[0], big[1], big[2], big[3]);
+    *reinterpret_cast<float4*>(out + plane) = make_float4(small[0], small[1], small[2], small[3]);
+  }
+}
+
+// Packs batch.p[0 .. count) on `stream` (out pointers set, 16-byte aligned).
+inline void pack_core(cudaStream_t stream, const CorePackBatch& batch, int count) {
+  int64_t largest = 1;
+  for (int i = 0; i < count; ++i) largest = batch.p[i].size() > largest ? batch.p[i].size() : largest;
+  const int64_t blocks = (largest / 8 + 255) / 256;
+  pack_core_kernel<<<dim3(unsigned(blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks)), unsigned(count)), 256, 0,
+                     stream>>>(batch);
+}
+
+#if defined(FUSED_OPS_WGMMA)
+
+// The weight chunks of a stretch of the kernel, in consumption order:
+// `chunks` chunks of `floats` from src, then chunks2 of floats2 from src2,
+// that sequence `repeats` times (a time-stepping kernel reads the same
+// weights every step), through `depth` stages of `stage` floats at ring.
+// Chunk q uses the mbarrier (g0 + q) % kStages, g0 counting the chunks
+// consumed before, so each mbarrier's phases alternate in parity throughout.
+struct ChunkStream {
+  const float* src;
+  int floats, chunks;
+  const float* src2;
+  int floats2, chunks2;
+  float* ring;
+  int stage, depth;
+  int g0;
+  int repeats = 1;
+  __device__ int total() const { return (chunks + chunks2) * repeats; }
+  __device__ float* slot(int q) const { return ring + (q % depth) * stage; }
+  // Thread 0: arm chunk q's mbarrier with its bytes and start its copy.
+  __device__ void issue(int q, uint64_t* bars) const {
+    const int r = q % (chunks + chunks2);
+    const bool first = r < chunks;
+    const float* from = first ? src + int64_t(r) * floats : src2 + int64_t(r - chunks) * floats2;
+    const uint32_t bytes = uint32_t(first ? floats : floats2) * uint32_t(sizeof(float));
+    uint64_t* bar = bars + (g0 + q) % kStages;
+    mbarrier_arrive_expect_tx(bar, bytes);
+    bulk_copy_g2s(slot(q), from, bytes, bar);
+  }
+  __device__ void prologue(uint64_t* bars) const {
+    if (threadIdx.x == 0) {
+      for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
+    }
+  }
+  // After chunk q's products completed in every thread: one block barrier,
+  // then refill its stage.
+  __device__ void release(int q, uint64_t* bars) const {
+    __syncthreads();
+    if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
+  }
+};
+
+// Issues chunk q's kS k-steps of acc += A * B^T for this warpgroup's np / 2 =
+// N columns (warpgroup w takes columns [w N, (w + 1) N) of the chunk): A's
+// big plane at a (k-step blocks kBlock apart, its small plane a_plane
+// further).  Waits for the chunk's bytes first; the products complete at the
+// caller's wgmma_wait.
+template <int N>
+__device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q, const float* a,
+                                               int a_plane, uint64_t* bars) {
+  const int gq = st.g0 + q;
+  mbarrier_wait(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
+  const int np = 2 * N, wgi = int(threadIdx.x) / 128;
+  const float* b = st.slot(q) + wgi * np * 4;
+  const int b_plane = kS * np * 8;
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kS; ++s) {
+    const float* as = a + s * kBlock;
+    const float* bs = b + s * np * 8;
+    wgmma_3xtf32<N>(acc, wgmma_desc(as), wgmma_desc(as + a_plane), wgmma_desc(bs), wgmma_desc(bs + b_plane));
+  }
+  wgmma_commit();
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i] = 0.0f;
+}
+
+// sum += chunk q's products (chunk_products' arguments), computed in a fresh
+// accumulator and added in float32; during() runs while the tensor cores work.
+template <int N, typename During>
+__device__ __forceinline__ void add_chunk(float (&sum)[N / 2], const ChunkStream& st, int q, const float* a,
+                                          int a_plane, uint64_t* bars, During&& during) {
+  float part[N / 2];
+  zero(part);
+  chunk_products<N>(part, st, q, a, a_plane, bars);
+  during();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) sum[i] += part[i];
+}
+
+// Calls f(row, h, col, v0, v1) for the column pairs (col, col + 1) of this
+// thread's accumulators: tile j, rows g + 8 h (h = 0, 1) of its warp.
+template <int N, typename F>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[N / 2], F f) {
+  const int lane = threadIdx.x % kWarpSize, r = 16 * (int(threadIdx.x) / 32 % 4) + lane / 4;
+  const int c = 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    f(r, 0, 8 * j + c, acc[4 * j], acc[4 * j + 1]);
+    f(r + 8, 1, 8 * j + c, acc[4 * j + 2], acc[4 * j + 3]);
+  }
+}
+
+// Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
+// (big plane at p, small plane `plane` further).  p may point into another
+// CTA of the cluster (a generic address from map_shared_rank).
+__device__ __forceinline__ void store_split_pair(float* p, int plane, int r, int k, float v0, float v1) {
+  const SplitTf32 s0 = split_tf32(v0), s1 = split_tf32(v1);
+  float* at = p + (k / 8) * kBlock + core_offset(r, k % 8);
+  *reinterpret_cast<float2*>(at) = make_float2(__uint_as_float(s0.big), __uint_as_float(s1.big));
+  *reinterpret_cast<float2*>(at + plane) = make_float2(__uint_as_float(s0.small), __uint_as_float(s1.small));
+}
+
+#endif  // FUSED_OPS_WGMMA
+
+}  // namespace wgs
+}  // namespace cuda
+}  // namespace fused_ops
