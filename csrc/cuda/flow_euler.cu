@@ -1351,7 +1351,6 @@ constexpr int kNp12 = kH / 2;                 // layer 1-2 columns per CTA (n64 
 constexpr int kNp3 = kD / 2;                  // layer 3 columns per CTA (n16 per warpgroup)
 constexpr int kChunks1 = kD / kKChunk;        // 2
 constexpr int kChunks23 = kH / kKChunk;       // 8
-constexpr int kChunksStep = kChunks1 + 2 * kChunks23;
 constexpr int kHPlane = kH / 8 * kBlock;      // one plane of h (floats)
 constexpr int kStage = chunk_floats(kNp12);   // 32 KB: the largest chunk
 constexpr int kRing = 2 * kHPlane;
@@ -1429,10 +1428,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     {
       float acc[kNp12 / 4];
       wgs::zero(acc);
-      for (int c = 0; c < kChunks1; ++c, ++q) {
-        wgs::add_chunk<kNp12 / 2>(acc, st, q, own + c * kS * kBlock, kHPlane, bars, [] {});
-        st.release(q, bars);
-      }
+      wgs::add_chunks<kNp12 / 2>(acc, st, q, kChunks1, own, kHPlane, bars);
+      q += kChunks1;
       cluster.sync();  // both CTAs are done reading x
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
         const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
@@ -1445,10 +1442,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     {
       float acc[kNp12 / 4];
       wgs::zero(acc);
-      for (int c = 0; c < kChunks23; ++c, ++q) {
-        wgs::add_chunk<kNp12 / 2>(acc, st, q, own + c * kS * kBlock, kHPlane, bars, [] {});
-        st.release(q, bars);
-      }
+      wgs::add_chunks<kNp12 / 2>(acc, st, q, kChunks23, own, kHPlane, bars);
+      q += kChunks23;
       cluster.sync();
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
         const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
@@ -1461,10 +1456,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     {
       float acc[kNp3 / 4];
       wgs::zero(acc);
-      for (int c = 0; c < kChunks23; ++c, ++q) {
-        wgs::add_chunk<kNp3 / 2>(acc, st, q, own + c * kS * kBlock, kHPlane, bars, [] {});
-        st.release(q, bars);
-      }
+      wgs::add_chunks<kNp3 / 2>(acc, st, q, kChunks23, own, kHPlane, bars);
+      q += kChunks23;
       cluster.sync();
 #pragma unroll
       for (int i = 0; i < 8; ++i) xm[i] = euler_step(xm[i], p.dt, acc[i] + __ldg(p.b3 + acc3_col(i, rank)));

@@ -66,7 +66,7 @@
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/wgmma_stream.cuh"
 #include "vae_elbo.h"
 
 namespace fused_ops {
@@ -970,10 +970,12 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
 // the operand layout of wgmma.cuh once per call) are read by the tensor
 // cores straight from shared memory, and the weights arrive by bulk copies
 // (one thread issues them) through a three-stage ring of chunks of four
-// k-steps, each stage completing on its own mbarrier.  A chunk's products
-// are issued asynchronously; the threads meanwhile stage the next x chunk
-// (encoder) and then wait for the products, meet at one block barrier (the
-// chunk's stage and x buffer are free again) and refill the stage.
+// k-steps, each stage completing on its own mbarrier (the ring, the
+// packer and the chunk loop are cuda/wgmma_stream.cuh's, shared with the
+// flow kernel).  Chunk c + 1's products are issued before chunk c's are
+// waited for; meanwhile the threads load the x chunk after next (encoder);
+// after chunk c the threads meet at one block barrier (its stage and x
+// buffer are free again) and refill the stage.
 //
 // Accuracy: each chunk's products go into a fresh accumulator, added to
 // the layer's running sums with ordinary float32 adds.  The tensor cores'
@@ -981,10 +983,10 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
 // in the wgmma accumulators the outputs were 10-45x further from a float64
 // reference than the float32 reference's (recon, kl; B=2053 and 8192 at
 // 784-256-32), with per-chunk sums (32 k) 1.5-3x (tenth session's run 4 in
-// bench/results/nvidia-h200-gpu-run.txt).  The price: a chunk's products
-// must complete before the next chunk's are issued (the adds read them, and
-// ptxas serialises every wgmma of a kernel that reads accumulators while
-// others are in flight): 127 -> 137 us at B=8192.
+// bench/results/nvidia-h200-gpu-run.txt).  Two fresh accumulators
+// alternate, so the adds of one chunk overlap the next chunk's products
+// (cuda::wgs::add_chunks; the first version waited for each chunk before
+// issuing the next: 127 us with whole-K sums -> 137 us per-chunk).
 //
 // Shape: H == 256 (the encoder and the decoder's hidden layer are one m64n128
 // product per warpgroup), 1 <= L <= 32 (mu | logvar: n32 per warpgroup, the
@@ -993,21 +995,22 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
 // weights stream from L2 once per CTA.
 namespace wg {
 
+using cuda::wgs::chunk_floats;
+using cuda::wgs::kBlock;
+using cuda::wgs::kKChunk;
+using cuda::wgs::kS;
+using cuda::wgs::kStages;
+
 constexpr int kThreadsWg = 256;  // two warpgroups
 constexpr int kRowsWg = 64;      // samples per CTA: the wgmma M
-constexpr int kS = 4;            // k-steps per weight chunk
-constexpr int kKChunk = 8 * kS;  // K columns per chunk
-constexpr int kStages = 3;
 constexpr int kH = 256;
 constexpr int kLp = 32;
 constexpr int kPass = 128;      // decoder columns per full pass (64 per warpgroup)
 constexpr int kTailPass = 16;   // ... per tail pass (8 per warpgroup)
 constexpr int kDecChunks = kH / kKChunk;
 
-// Sizes in floats.  A 64-row operand's k-step block, and chunks of packed
-// weights (two planes of kS k-steps of np columns).
-constexpr int kBlock = kRowsWg * 8;
-__host__ __device__ constexpr int chunk_floats(int np) { return 2 * kS * np * 8; }
+// Sizes in floats (kBlock: a 64-row operand's k-step block; chunk_floats:
+// a chunk of packed weights, cuda/wgmma_stream.cuh).
 constexpr int kXChunk = 2 * kS * kBlock;   // x: 64 rows x 32 columns, two planes
 constexpr int kHPlane = kH / 8 * kBlock;   // one plane of h or g (64 x 256)
 constexpr int kZPlane = kLp / 8 * kBlock;  // one plane of z (64 x 32)
@@ -1033,151 +1036,23 @@ static_assert(kZ + 2 * kZPlane <= kMisc && kRingD2 + kStages * chunk_floats(kPas
 static_assert(kRingM + kStages * chunk_floats(2 * kLp) <= kMs, "ring below the logvar hand-over");
 static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
 
-// Packed weights: for each pass of np output columns, its K in chunks of
-// kS k-steps, each chunk [plane: big, small][k-step][np / 8 column groups]
-// [core matrices: k < 4, k >= 4][8 columns][4 k] -- the chunk lands in
-// shared memory as one bulk copy in wgmma's operand layout.  Column c of
-// pass q is weight row n_start + q np + c; with w1 set, the first np / 2
-// columns are rows of w0 and the rest rows of w1 (mu | logvar).  Rows past
-// `rows` and k past K are zero.
-struct CorePack {
-  const float *w0, *w1;
-  int ld, rows, K, np, n_start, passes, kchunks;
-  float* out;
-  __host__ __device__ int64_t size() const { return int64_t(passes) * kchunks * chunk_floats(np); }
-};
-constexpr int kPacks = 5;  // encoder, mu|logvar, decoder 1, decoder 2 full passes, tail passes
-struct CorePackBatch {
-  CorePack p[kPacks];
-};
-
-__global__ void __launch_bounds__(256) pack_core_kernel(const CorePackBatch batch) {
-  CorePack m = batch.p[0];
-#pragma unroll
-  for (int i = 1; i < kPacks; ++i)
-    if (int(blockIdx.y) == i) m = batch.p[i];
-  const int cf = chunk_floats(m.np), plane = cf / 2;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < m.size() / 2;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    // i counts one plane's values; the big and small parts go to both planes.
-    const int64_t chunk = i / plane;
-    const int o = int(i % plane), q = int(chunk / m.kchunks), c = int(chunk % m.kchunks);
-    const int s = o / (m.np * 8), o3 = o % (m.np * 8);
-    const int col = (o3 / 64) * 8 + (o3 % 32) / 4;
-    const int k = (c * kS + s) * 8 + ((o3 % 64) / 32) * 4 + o3 % 4;
-    const float* src = m.w0;
-    int row = m.n_start + q * m.np + col;
-    if (m.w1 != nullptr) {
-      const bool second = col >= m.np / 2;
-      src = second ? m.w1 : m.w0;
-      row = second ? col - m.np / 2 : col;
-    }
-    const float v = (row < m.rows && k < m.K) ? src[int64_t(row) * m.ld + k] : 0.0f;
-    const cuda::SplitTf32 sp = cuda::split_tf32(v);
-    m.out[chunk * cf + o] = __uint_as_float(sp.big);
-    m.out[chunk * cf + plane + o] = __uint_as_float(sp.small);
-  }
-}
+// The weights packed by cuda::wgs::pack_core: encoder, mu|logvar, decoder 1,
+// decoder 2's full passes, its tail passes.
+constexpr int kPacks = 5;
+static_assert(kPacks <= cuda::wgs::kMaxPacks, "one packer launch");
 
 struct WgWeights {
   const float *enc, *mulv, *d1, *d2, *d2_tail;
   int enc_chunks, full_passes, tail_passes;
 };
 
-#if defined(FUSED_OPS_WGMMA)
-
-// The weight chunks of one phase, in the order they are consumed: `chunks`
-// of `floats` from src, then chunks2 of floats2 from src2 (the decoder's tail
-// passes), through `depth` stages of `stage` floats at ring.  Chunk q uses
-// the mbarrier of stage (g0 + q) % kStages, g0 counting the chunks of the
-// phases before, so each mbarrier's phases alternate in parity throughout.
-struct ChunkStream {
-  const float* src;
-  int floats, chunks;
-  const float* src2;
-  int floats2, chunks2;
-  float* ring;
-  int stage, depth;
-  int g0;
-  __device__ int total() const { return chunks + chunks2; }
-  __device__ float* slot(int q) const { return ring + (q % depth) * stage; }
-  // Thread 0: arm chunk q's mbarrier with its bytes and start its copy.
-  __device__ void issue(int q, uint64_t* bars) const {
-    const bool first = q < chunks;
-    const float* from = first ? src + int64_t(q) * floats : src2 + int64_t(q - chunks) * floats2;
-    const uint32_t bytes = uint32_t(first ? floats : floats2) * uint32_t(sizeof(float));
-    uint64_t* bar = bars + (g0 + q) % kStages;
-    cuda::mbarrier_arrive_expect_tx(bar, bytes);
-    cuda::bulk_copy_g2s(slot(q), from, bytes, bar);
-  }
-  __device__ void prologue(uint64_t* bars) const {
-    if (threadIdx.x == 0) {
-      for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
-    }
-  }
-  // After chunk q's products completed in every thread: one block barrier,
-  // then refill its stage.
-  __device__ void release(int q, uint64_t* bars) const {
-    __syncthreads();
-    if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
-  }
-};
-
-// Issues chunk q's kS k-steps of acc += A * B^T for this warpgroup's np / 2
-// columns: A's big plane at a (k-step blocks kBlock apart, its small plane
-// a_plane further), B the chunk in its stage.  Waits for the chunk's bytes
-// first; the products complete at the caller's wgmma_wait.
-template <int N>
-__device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q,
-                                               const float* a, int a_plane, uint64_t* bars) {
-  const int gq = st.g0 + q;
-  cuda::mbarrier_wait(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
-  const int np = 2 * N, wgi = int(threadIdx.x) / 128;
-  const float* b = st.slot(q) + wgi * np * 4;
-  const int b_plane = kS * np * 8;
-  cuda::wgmma_fence();
-#pragma unroll
-  for (int s = 0; s < kS; ++s) {
-    const float* as = a + s * kBlock;
-    const float* bs = b + s * np * 8;
-    cuda::wgmma_3xtf32<N>(acc, cuda::wgmma_desc(as), cuda::wgmma_desc(as + a_plane), cuda::wgmma_desc(bs),
-                          cuda::wgmma_desc(bs + b_plane));
-  }
-  cuda::wgmma_commit();
-}
-
-// Calls f(row, h, col, v0, v1) for the column pairs (col, col + 1) of this
-// thread's accumulators: tile j, rows g + 8 h (h = 0, 1) of its warp.
-template <int N, typename F>
-__device__ __forceinline__ void for_each_pair(const float (&acc)[N / 2], F f) {
-  const int lane = threadIdx.x % cuda::kWarpSize, r = 16 * (int(threadIdx.x) / 32 % 4) + lane / 4;
-  const int c = 2 * (lane % 4);
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
-    f(r, 0, 8 * j + c, acc[4 * j], acc[4 * j + 1]);
-    f(r + 8, 1, 8 * j + c, acc[4 * j + 2], acc[4 * j + 3]);
-  }
-}
-
-// Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
-// (big plane at p, small plane `plane` further).
-__device__ __forceinline__ void store_split_pair(float* p, int plane, int r, int k, float v0, float v1) {
-  const cuda::SplitTf32 s0 = cuda::split_tf32(v0), s1 = cuda::split_tf32(v1);
-  float* at = p + (k / 8) * kBlock + cuda::core_offset(r, k % 8);
-  *reinterpret_cast<float2*>(at) = make_float2(__uint_as_float(s0.big), __uint_as_float(s1.big));
-  *reinterpret_cast<float2*>(at + plane) = make_float2(__uint_as_float(s0.small), __uint_as_float(s1.small));
-}
-
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-}
-
-#endif  // FUSED_OPS_WGMMA
-
 __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Args<float> a, const WgWeights w) {
 #if defined(FUSED_OPS_WGMMA)
+  using cuda::wgs::add_chunks;
+  using cuda::wgs::ChunkStream;
+  using cuda::wgs::for_each_pair;
+  using cuda::wgs::store_split_pair;
+  using cuda::wgs::zero;
   extern __shared__ __align__(128) float smem[];
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kBars);
   const int tid = int(threadIdx.x), wgi = tid / 128, lane = tid % cuda::kWarpSize;
@@ -1223,25 +1098,32 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
                         __uint_as_float(s[3].small));
       }
     };
+    // x chunks 0 and 1 first; chunk c + 2 is loaded while chunks c and c + 1
+    // are in the tensor cores and stored over chunk c's buffer once every
+    // warpgroup is done with it (a block barrier after the stores, as the
+    // next products read rows of every thread).
+    const int chunks = st.total();
     load_x(0);
     store_x(0);
+    if (chunks > 1) {
+      load_x(1);
+      store_x(1);
+    }
     cuda::fence_proxy_async();
     __syncthreads();
     zero(hacc);
-    float cacc[kH / 4];
-    for (int q = 0; q < st.total(); ++q) {
-      zero(cacc);
-      chunk_products<kH / 2>(cacc, st, q, smem + kXs + (q % 2) * kXChunk, kS * kBlock, bars);
-      if (q + 1 < st.total()) load_x(q + 1);
-      cuda::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kH / 4; ++i) hacc[i] += cacc[i];
-      if (q + 1 < st.total()) {
-        store_x((q + 1) % 2);
-        cuda::fence_proxy_async();
-      }
-      st.release(q, bars);
-    }
+    add_chunks<kH / 2>(
+        hacc, st, 0, chunks, [&](int c) { return smem + kXs + (c % 2) * kXChunk; }, kS * kBlock, bars,
+        [&](int c) {
+          if (c + 2 < chunks) load_x(c + 2);
+        },
+        [&](int c) {
+          if (c + 2 < chunks) {
+            store_x(c % 2);
+            cuda::fence_proxy_async();
+            __syncthreads();
+          }
+        });
     // Every chunk has been consumed (the last release's barrier): h may
     // overwrite the ring.
     for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
@@ -1261,15 +1143,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     st.prologue(bars);
     float macc[kLp / 2];
     zero(macc);
-    for (int q = 0; q < st.total(); ++q) {
-      float cacc[kLp / 2];
-      zero(cacc);
-      chunk_products<kLp>(cacc, st, q, smem + q * kS * kBlock, kHPlane, bars);
-      cuda::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kLp / 2; ++i) macc[i] += cacc[i];
-      st.release(q, bars);
-    }
+    add_chunks<kLp>(macc, st, 0, st.total(), smem, kHPlane, bars);
     float* const ms = smem + kMs;
     if (wgi == 1) {
       for_each_pair<kLp>(macc, [&](int r, int, int l, float v0, float v1) {
@@ -1313,7 +1187,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
                          w.enc_chunks + kDecChunks};
     st.prologue(bars);
     zero(hacc);
-    chunk_products<kH / 2>(hacc, st, 0, smem + kZ, kZPlane, bars);
+    cuda::wgs::chunk_products<kH / 2>(hacc, st, 0, smem + kZ, kZPlane, bars);
     cuda::wgmma_wait<0>();
     __syncthreads();
     for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
@@ -1347,15 +1221,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       constexpr int NP = decltype(np)::value;
       float dacc[NP / 4];
       zero(dacc);
-      for (int c = 0; c < kDecChunks; ++c, ++q) {
-        float cacc[NP / 4];
-        zero(cacc);
-        chunk_products<NP / 2>(cacc, st, q, smem + c * kS * kBlock, kHPlane, bars);
-        cuda::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < NP / 4; ++i) dacc[i] += cacc[i];
-        st.release(q, bars);
-      }
+      add_chunks<NP / 2>(dacc, st, q, kDecChunks, smem, kHPlane, bars);
+      q += kDecChunks;
       n0 += wgi * (NP / 2);
       for_each_pair<NP / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
     };
@@ -1396,7 +1263,7 @@ bool launch_wgmma(const Args<float>& a, const Tensor& like) {
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   const int enc_chunks = (a.I + wg::kKChunk - 1) / wg::kKChunk;
   const int full = a.I / wg::kPass, tail = (a.I - full * wg::kPass + wg::kTailPass - 1) / wg::kTailPass;
-  using wg::CorePack;
+  using cuda::wgs::CorePack;
   // (w0, w1, ld, rows, K, np, n_start, passes, kchunks)
   CorePack packs[wg::kPacks] = {
       {a.w_enc, nullptr, a.I, a.H, a.I, wg::kH, 0, 1, enc_chunks, nullptr},
@@ -1404,21 +1271,17 @@ bool launch_wgmma(const Args<float>& a, const Tensor& like) {
       {a.w_d1, nullptr, a.L, a.H, a.L, wg::kH, 0, 1, 1, nullptr},
       {a.w_d2, nullptr, a.H, a.I, a.H, wg::kPass, 0, full, wg::kDecChunks, nullptr},
       {a.w_d2, nullptr, a.H, a.I, a.H, wg::kTailPass, full * wg::kPass, tail, wg::kDecChunks, nullptr}};
-  int64_t total = 0, largest = 0;
-  for (const CorePack& p : packs) {
-    total += p.size();
-    largest = std::max(largest, p.size());
-  }
+  int64_t total = 0;
+  for (const CorePack& p : packs) total += p.size();
   Tensor packed = empty_like_device(like, {std::max<int64_t>(total, 1)});
   float* out = packed.mutable_data_ptr<float>();
-  wg::CorePackBatch batch{};
+  cuda::wgs::CorePackBatch batch{};
   for (int i = 0; i < wg::kPacks; ++i) {
     packs[i].out = out;
     out += packs[i].size();
     batch.p[i] = packs[i];
   }
-  const int64_t blocks = std::min<int64_t>(1024, std::max<int64_t>(1, (largest / 2 + 255) / 256));
-  wg::pack_core_kernel<<<dim3(unsigned(blocks), wg::kPacks), 256, 0, stream>>>(batch);
+  cuda::wgs::pack_core(stream, batch, wg::kPacks);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   const wg::WgWeights w{packs[0].out, packs[1].out, packs[2].out, packs[3].out, packs[4].out,
                         enc_chunks, full, tail};

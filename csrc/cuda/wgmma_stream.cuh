@@ -10,8 +10,7 @@
 // over a whole K is far less accurate (vae_elbo.cu's wgmma section, tenth
 // session's runs 3-4).
 //
-// (vae_elbo.cu's wgmma kernel carries its own copy of these pieces; it moves
-// onto this header once the flow kernel that introduced it has run.)
+// Used by vae_elbo.cu's and flow_euler.cu's wgmma paths.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,8 +47,10 @@ struct CorePackBatch {
   CorePack p[kMaxPacks];  // blockIdx.y picks one; gridDim.y of them are used
 };
 
-// One thread per four consecutive k of a packed column (a float4 in each plane).
-__global__ void __launch_bounds__(256) pack_core_kernel(const CorePackBatch batch) {
+// One thread per four consecutive k of a packed column (a float4 in each
+// plane).  A template, as the header is compiled into several files.
+template <int kThreadsPerBlock>
+__global__ void __launch_bounds__(kThreadsPerBlock) pack_core_kernel(const CorePackBatch batch) {
   CorePack m = batch.p[0];
 #pragma unroll
   for (int i = 1; i < kMaxPacks; ++i)
@@ -87,9 +88,11 @@ __global__ void __launch_bounds__(256) pack_core_kernel(const CorePackBatch batc
 inline void pack_core(cudaStream_t stream, const CorePackBatch& batch, int count) {
   int64_t largest = 1;
   for (int i = 0; i < count; ++i) largest = batch.p[i].size() > largest ? batch.p[i].size() : largest;
-  const int64_t blocks = (largest / 8 + 255) / 256;
-  pack_core_kernel<<<dim3(unsigned(blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks)), unsigned(count)), 256, 0,
-                     stream>>>(batch);
+  constexpr int kPackThreads = 256;
+  const int64_t blocks = (largest / 8 + kPackThreads - 1) / kPackThreads;  // a float4 of both planes per thread
+  pack_core_kernel<kPackThreads>
+      <<<dim3(unsigned(blocks < 1 ? 1 : (blocks > 1024 ? 1024 : blocks)), unsigned(count)), kPackThreads, 0,
+         stream>>>(batch);
 }
 
 #if defined(FUSED_OPS_WGMMA)
@@ -163,18 +166,63 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) acc[i] = 0.0f;
 }
 
-// sum += chunk q's products (chunk_products' arguments), computed in a fresh
-// accumulator and added in float32; during() runs while the tensor cores work.
-template <int N, typename During>
-__device__ __forceinline__ void add_chunk(float (&sum)[N / 2], const ChunkStream& st, int q, const float* a,
-                                          int a_plane, uint64_t* bars, During&& during) {
-  float part[N / 2];
-  zero(part);
-  chunk_products<N>(part, st, q, a, a_plane, bars);
-  during();
-  wgmma_wait<0>();
+// sum += the products of chunks q .. q + count - 1 (chunk c's A at a_of(c)),
+// each chunk in a fresh accumulator added in float32, releasing each chunk's
+// stage after its products.  Two accumulators alternate so that chunk
+// c + 1's products run while chunk c's complete and are added: waiting for
+// each chunk before issuing the next left the tensor cores idle for the
+// wait, the adds and the block barrier of every chunk.
+// during(c) runs while chunk c's (and c + 1's) products are in flight;
+// after(c) after chunk c's release (its stage and its A free again, every
+// thread past the barrier).  The loop is unrolled by two so that every
+// wgmma names its accumulator registers statically: an accumulator that
+// ptxas cannot tell apart from one in flight makes it serialise every
+// wgmma of the kernel (warning C7514).
+template <int N, typename AOf, typename During, typename After>
+__device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count, AOf a_of,
+                                           int a_plane, uint64_t* bars, During during, After after) {
+  float part0[N / 2], part1[N / 2];
+  // Chunk c (its products in `cur`) completes and is added while chunk
+  // c + 1's products (into `next`, when there is one) are in flight.
+  auto finish = [&](float (&cur)[N / 2], int c, bool more) {
+    during(c);
+    if (more) {
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) sum[i] += part[i];
+    for (int i = 0; i < N / 2; ++i) sum[i] += cur[i];
+    st.release(q + c, bars);
+    after(c);
+  };
+  auto start = [&](float (&acc)[N / 2], int c) {
+    zero(acc);
+    chunk_products<N>(acc, st, q + c, a_of(c), a_plane, bars);
+  };
+  start(part0, 0);
+  int c = 0;
+  for (; c + 2 < count; c += 2) {
+    start(part1, c + 1);
+    finish(part0, c, true);
+    start(part0, c + 2);
+    finish(part1, c + 1, true);
+  }
+  if (c + 1 < count) {
+    start(part1, c + 1);
+    finish(part0, c, true);
+    finish(part1, c + 1, false);
+  } else {
+    finish(part0, c, false);
+  }
+}
+
+// add_chunks for A operands kS k-steps apart from a (a layer's K in order).
+template <int N>
+__device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count,
+                                           const float* a, int a_plane, uint64_t* bars) {
+  add_chunks<N>(
+      sum, st, q, count, [a](int c) { return a + c * (kS * kBlock); }, a_plane, bars, [](int) {}, [](int) {});
 }
 
 // Calls f(row, h, col, v0, v1) for the column pairs (col, col + 1) of this
