@@ -9,10 +9,11 @@ Covers, for importance_sampling, the vectorised and scalar fast paths (short
 and long rows), the general path (D > 512, and parameters too large for shared
 memory) and float64; for flow_euler, the split (4 and 2 blocks per row) and
 row paths (the default D and H), the cluster path (sm_90, B <= 32), the
-3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32) and the
-general path (float64; float32 too large for both); for vae_elbo, the cluster,
-tiled and general paths (VAE_CASES) and the backward (VAE_BWD_CASES).  Each result is checked against the
-reference so a silent error also fails.
+3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32), the
+wgmma path (the large-batch default on an sm_90a build) and the general path
+(float64; float32 too large for both); for vae_elbo, the cluster, wgmma,
+tiled and general paths (VAE_CASES) and the backward (VAE_BWD_CASES).  Each
+result is checked against the reference so a silent error also fails.
 
 For importance_sampling_backward: tiles of 32 and 256 samples (several per
 block), long rows (more gradient entries than threads), large K (coefficients
@@ -53,7 +54,7 @@ FLOW_CASES = [
     (1, 1, 3, 1, torch.float32),  # cluster, smallest
     (32, 64, 300, 2, torch.float32),  # cluster, long ragged k-segments
     (129, 100, 130, 2, torch.float32),  # tiled, ragged last tile, padded K
-    (4096, 64, 256, 2, torch.float32),  # tiled, the large-batch default
+    (4096, 64, 256, 2, torch.float32),  # wgmma on an sm_90a build (tiled otherwise), the large-batch default
     (40, 3, 300, 1, torch.float32),  # tiled, two column passes
     (8, 5, 1100, 1, torch.float32),  # general: too large for cluster and tile
     (37, 6, 33, 2, torch.float64),  # general, float64

@@ -11,8 +11,11 @@ B limits as on an H200, 132 SMs):
   cluster  float32, sm_90, B <= 32 and the weights fit a cluster's shared
            memory: (B, D, H) = (1, 1, 3), (3, 5, 20), (32, 100, 130),
            (32, 64, 300) (long ragged k-segments)
+  wgmma    float32, D = 64 and H = 256, sm_90 with the sm_90a kernels built,
+           B above the row path: B = 133, 4096 (a CTA pair per 64 rows)
   tiled    float32, sm_80+, otherwise when a 32-row tile's activations fit
-           shared memory: B = 4096 and 133 (D=64, H=256), (129, 100, 130), (33, 5, 20)
+           shared memory: (129, 100, 130), (33, 5, 20), (129, 1, 45), and
+           B = 133, 4096 at D=64, H=256 where the wgmma path does not apply
   general  float64, or float32 too large for both: (8, 5, 1100), (40, 3, 1100)
 The lists below contain all of them, so one CUDA run of this file covers
 every path.
