@@ -49,7 +49,6 @@
 //          (the large-batch default B=4096): a packing kernel, then one
 //          launch of a CTA pair per 64 rows, each CTA computing half of
 //          every layer's columns with warpgroup products.  See "wgmma path".
-//          NOT YET RUN ON A GPU (branch flow-wgmma).
 //
 // tiled    float32, compute capability >= 8.0, any B, when a 32-row tile's
 //          activations and three weight chunks fit shared memory (H <= 512
@@ -1384,10 +1383,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   const int row0 = int(blockIdx.x / 2) * kRowsW, rows = max(0, min(kRowsW, p.B - row0));
   float* const own = smem;                                             // h (x in its first blocks)
   float* const other = cluster.map_shared_rank(smem, rank ^ 1);        // the partner's copy
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) cuda::mbarrier_init(bars + s, 1);
-    cuda::mbarrier_init_fence();
-  }
+  wgs::init_ring_barriers(bars);
   __syncthreads();
   const float* const mine = packed + rank * kPackedPerRank;
   ChunkStream st{mine, kStage, kChunks1 + kChunks23, mine + int64_t(kChunks1 + kChunks23) * kStage,
@@ -1424,33 +1420,24 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   int q = 0;
   for (int step = 0; step < p.num_steps; ++step) {
     const float t = flow_step_time<float>(step, p.num_steps);
-    // Layer 1: x [64 x 64] -> h1, columns [rank * 128, +128).
-    {
+    // Layer 1: x [64 x 64] -> h1, columns [rank * 128, +128); layer 2: h1 ->
+    // h2 in place.  activate(n, v): column n's output from its product.
+    auto hidden_layer = [&](int chunks, auto activate) {
       float acc[kNp12 / 4];
       wgs::zero(acc);
-      wgs::add_chunks<kNp12 / 2>(acc, st, q, kChunks1, own, kHPlane, bars);
-      q += kChunks1;
-      cluster.sync();  // both CTAs are done reading x
+      wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, own, kHPlane, bars);
+      q += chunks;
+      cluster.sync();  // both CTAs are done reading the layer's input
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
         const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
-        store_both(r, n, silu(v0 + t * __ldg(p.w1 + n * (kD + 1) + kD) + __ldg(p.b1 + n)),
-                   silu(v1 + t * __ldg(p.w1 + (n + 1) * (kD + 1) + kD) + __ldg(p.b1 + n + 1)));
+        store_both(r, n, activate(n, v0), activate(n + 1, v1));
       });
       publish();
-    }
-    // Layer 2: h1 -> h2 (in place, after both CTAs have read h1).
-    {
-      float acc[kNp12 / 4];
-      wgs::zero(acc);
-      wgs::add_chunks<kNp12 / 2>(acc, st, q, kChunks23, own, kHPlane, bars);
-      q += kChunks23;
-      cluster.sync();
-      wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
-        const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
-        store_both(r, n, silu(v0 + __ldg(p.b2 + n)), silu(v1 + __ldg(p.b2 + n + 1)));
-      });
-      publish();
-    }
+    };
+    hidden_layer(kChunks1, [&](int n, float v) {
+      return silu(v + t * __ldg(p.w1 + n * (kD + 1) + kD) + __ldg(p.b1 + n));
+    });
+    hidden_layer(kChunks23, [&](int n, float v) { return silu(v + __ldg(p.b2 + n)); });
     // Layer 3 and the Euler update of this thread's x values; the new x goes
     // into both copies of layer 1's A operand.
     {
@@ -1471,9 +1458,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     const int r = acc3_row(i);
     if (r < rows) p.x[int64_t(row0 + r) * kD + acc3_col(i, rank)] = xm[i];
   }
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) cuda::mbarrier_inval(bars + s);
-  }
+  wgs::inval_ring_barriers(bars);
 #else
   (void)p;
   (void)packed;
@@ -1486,9 +1471,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
 // Launches the wgmma path; false when it does not apply.
 bool launch_wgmma(const FlowEulerCall& c) {
 #if defined(FUSED_OPS_SM90A)
-  if (c.x.scalar_type() != ScalarType::Float || c.D != fwg::kD || c.H != fwg::kH ||
-      c.B > int64_t(INT_MAX) - fwg::kRowsW || cuda::compute_capability_major() != 9 ||
-      cuda::device_attribute(cudaDevAttrComputeCapabilityMinor) != 0 ||
+  static_assert(fwg::kD == kRowD && fwg::kH == kRowH, "the wgmma kernel is written for row_sizes");
+  if (!row_sizes(c) || c.B > int64_t(INT_MAX) - fwg::kRowsW || !cuda::wgs::device_runs_sm90a() ||
       !cuda::cluster_fits(fwg::flow_wgmma_kernel, 2, fwg::kThreadsW, fwg::kSmem)) {
     return false;
   }

@@ -1058,11 +1058,18 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   const int tid = int(threadIdx.x), wgi = tid / 128, lane = tid % cuda::kWarpSize;
   const int row0 = int(blockIdx.x) * kRowsWg, rows = min(kRowsWg, a.B - row0);
   const int I = a.I, L = a.L;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) cuda::mbarrier_init(bars + s, 1);
-    cuda::mbarrier_init_fence();
-  }
+  cuda::wgs::init_ring_barriers(bars);
   __syncthreads();
+  // Stores relu(acc + bias) of this warpgroup's 128 columns as the next
+  // A operand (split, over h's place) and publishes it to the tensor cores.
+  auto store_hidden = [&](const float(&acc)[kH / 4], const float* bias) {
+    for_each_pair<kH / 2>(acc, [&](int r, int, int c, float v0, float v1) {
+      const int n = wgi * (kH / 2) + c;
+      store_split_pair(smem, kHPlane, r, n, relu(v0 + __ldg(bias + n)), relu(v1 + __ldg(bias + n + 1)));
+    });
+    cuda::fence_proxy_async();
+    __syncthreads();
+  };
 
   // 1. Encoder: h = relu(x W_enc^T + b_enc).  x chunks (64 rows x 32
   //    columns) are loaded, split and stored by all threads, one chunk ahead
@@ -1126,12 +1133,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
         });
     // Every chunk has been consumed (the last release's barrier): h may
     // overwrite the ring.
-    for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
-      const int n = wgi * (kH / 2) + c;
-      store_split_pair(smem, kHPlane, r, n, relu(v0 + __ldg(a.b_enc + n)), relu(v1 + __ldg(a.b_enc + n + 1)));
-    });
-    cuda::fence_proxy_async();
-    __syncthreads();
+    store_hidden(hacc, a.b_enc);
   }
 
   // 2. mu (warpgroup 0) and logvar (warpgroup 1), 32 padded columns each;
@@ -1190,12 +1192,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     cuda::wgs::chunk_products<kH / 2>(hacc, st, 0, smem + kZ, kZPlane, bars);
     cuda::wgmma_wait<0>();
     __syncthreads();
-    for_each_pair<kH / 2>(hacc, [&](int r, int, int c, float v0, float v1) {
-      const int n = wgi * (kH / 2) + c;
-      store_split_pair(smem, kHPlane, r, n, relu(v0 + __ldg(a.b_d1 + n)), relu(v1 + __ldg(a.b_d1 + n + 1)));
-    });
-    cuda::fence_proxy_async();
-    __syncthreads();
+    store_hidden(hacc, a.b_d1);
   }
 
   // 4. Decoder logits into BCE sums, pass by pass: 128 columns (64 per
@@ -1241,9 +1238,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   }
   __syncthreads();
   if (tid < rows) store_losses(a, row0 + tid, wpart[tid] + wpart[kRowsWg + tid], klrow[tid]);
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) cuda::mbarrier_inval(bars + s);
-  }
+  cuda::wgs::inval_ring_barriers(bars);
 #else
   __trap();  // launched only where the sm_90a code was built (FUSED_OPS_SM90A)
 #endif
@@ -1254,8 +1249,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
 // Launches the wgmma path; false when it does not apply.
 bool launch_wgmma(const Args<float>& a, const Tensor& like) {
 #if defined(FUSED_OPS_SM90A)
-  if (a.H != wg::kH || a.L > wg::kLp || cuda::compute_capability_major() != 9 ||
-      cuda::device_attribute(cudaDevAttrComputeCapabilityMinor) != 0 ||
+  if (a.H != wg::kH || a.L > wg::kLp || !cuda::wgs::device_runs_sm90a() ||
       wg::kSmemBytes > cuda::max_shared_memory_per_block()) {
     return false;
   }

@@ -29,6 +29,8 @@
 
 #include <cstdint>
 
+#include "cuda/mbarrier.cuh"
+
 namespace fused_ops {
 namespace cuda {
 
@@ -42,7 +44,7 @@ __host__ __device__ constexpr int core_offset(int r, int k) {
 // Shared-memory matrix descriptor of the block at `p` (16-byte aligned),
 // layout above: leading byte offset 128, stride byte offset 256, no swizzle.
 __device__ __forceinline__ uint64_t wgmma_desc(const float* p) {
-  const uint64_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  const uint64_t a = smem_addr(p);
   return ((a & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
 }
 

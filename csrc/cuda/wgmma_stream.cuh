@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "cuda/mbarrier.cuh"
+#include "cuda/runtime.cuh"
 #include "cuda/tf32x3.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -95,7 +96,28 @@ inline void pack_core(cudaStream_t stream, const CorePackBatch& batch, int count
          stream>>>(batch);
 }
 
+// Whether the current device runs the sm_90a kernels (compute capability
+// exactly 9.0; the caller also needs a build with FUSED_OPS_SM90A).
+inline bool device_runs_sm90a() {
+  return compute_capability_major() == 9 && device_attribute(cudaDevAttrComputeCapabilityMinor) == 0;
+}
+
 #if defined(FUSED_OPS_WGMMA)
+
+// The ring's kStages mbarriers at bars (one arrival each: the thread that
+// issues the bulk copies): initialised by thread 0, before the block
+// barrier that must follow; invalidated by thread 0 at the end.
+__device__ __forceinline__ void init_ring_barriers(uint64_t* bars) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_init(bars + s, 1);
+    mbarrier_init_fence();
+  }
+}
+__device__ __forceinline__ void inval_ring_barriers(uint64_t* bars) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_inval(bars + s);
+  }
+}
 
 // The weight chunks of a stretch of the kernel, in consumption order:
 // `chunks` chunks of `floats` from src, then chunks2 of floats2 from src2,
