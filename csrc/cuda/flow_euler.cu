@@ -1354,7 +1354,12 @@ constexpr int kHPlane = kH / 8 * kBlock;      // one plane of h (floats)
 constexpr int kStage = chunk_floats(kNp12);   // 32 KB: the largest chunk
 constexpr int kRing = 2 * kHPlane;
 constexpr int kBarsAt = kRing + kStages * kStage;
-constexpr size_t kSmem = sizeof(float) * kBarsAt + kStages * sizeof(uint64_t);
+// The epilogues' per-column constants of this CTA's columns, read from
+// shared memory every step instead of global memory: b1, w1's time column,
+// b2 (kNp12 each), b3 (kNp3).
+constexpr int kConstsAt = kBarsAt + 2 * kStages;
+constexpr int kConsts = 3 * kNp12 + kNp3;
+constexpr size_t kSmem = sizeof(float) * (kConstsAt + kConsts);
 // Packed weights of one CTA rank: layer 1 then layer 2 (chunks of kStage
 // floats), then layer 3 (chunks of chunk_floats(kNp3)).
 constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
@@ -1383,7 +1388,15 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   const int row0 = int(blockIdx.x / 2) * kRowsW, rows = max(0, min(kRowsW, p.B - row0));
   float* const own = smem;                                             // h (x in its first blocks)
   float* const other = cluster.map_shared_rank(smem, rank ^ 1);        // the partner's copy
+  float* const consts = smem + kConstsAt;
   wgs::init_ring_barriers(bars);
+  for (int i = tid; i < kConsts; i += kThreadsW) {
+    const int layer = i / kNp12, c = i % kNp12, n = rank * kNp12 + c;
+    consts[i] = layer == 0   ? p.b1[n]
+                : layer == 1 ? p.w1[int64_t(n) * (kD + 1) + kD]
+                : layer == 2 ? p.b2[n]
+                             : p.b3[rank * kNp3 + c];
+  }
   __syncthreads();
   const float* const mine = packed + rank * kPackedPerRank;
   ChunkStream st{mine, kStage, kChunks1 + kChunks23, mine + int64_t(kChunks1 + kChunks23) * kStage,
@@ -1421,7 +1434,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   for (int step = 0; step < p.num_steps; ++step) {
     const float t = flow_step_time<float>(step, p.num_steps);
     // Layer 1: x [64 x 64] -> h1, columns [rank * 128, +128); layer 2: h1 ->
-    // h2 in place.  activate(n, v): column n's output from its product.
+    // h2 in place.  activate(nl, v): the output of this CTA's column nl from
+    // its product.
     auto hidden_layer = [&](int chunks, auto activate) {
       float acc[kNp12 / 4];
       wgs::zero(acc);
@@ -1429,15 +1443,13 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       q += chunks;
       cluster.sync();  // both CTAs are done reading the layer's input
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
-        const int n = rank * kNp12 + wgi * (kNp12 / 2) + c;
-        store_both(r, n, activate(n, v0), activate(n + 1, v1));
+        const int nl = wgi * (kNp12 / 2) + c;
+        store_both(r, rank * kNp12 + nl, activate(nl, v0), activate(nl + 1, v1));
       });
       publish();
     };
-    hidden_layer(kChunks1, [&](int n, float v) {
-      return silu(v + t * __ldg(p.w1 + n * (kD + 1) + kD) + __ldg(p.b1 + n));
-    });
-    hidden_layer(kChunks23, [&](int n, float v) { return silu(v + __ldg(p.b2 + n)); });
+    hidden_layer(kChunks1, [&](int nl, float v) { return silu(v + t * consts[kNp12 + nl] + consts[nl]); });
+    hidden_layer(kChunks23, [&](int nl, float v) { return silu(v + consts[2 * kNp12 + nl]); });
     // Layer 3 and the Euler update of this thread's x values; the new x goes
     // into both copies of layer 1's A operand.
     {
@@ -1447,7 +1459,9 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       q += kChunks23;
       cluster.sync();
 #pragma unroll
-      for (int i = 0; i < 8; ++i) xm[i] = euler_step(xm[i], p.dt, acc[i] + __ldg(p.b3 + acc3_col(i, rank)));
+      for (int i = 0; i < 8; ++i) {
+        xm[i] = euler_step(xm[i], p.dt, acc[i] + consts[3 * kNp12 + acc3_col(i, rank) - rank * kNp3]);
+      }
 #pragma unroll
       for (int i = 0; i < 8; i += 2) store_both(acc3_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
       publish();

@@ -1188,7 +1188,6 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     const ChunkStream st{w.d1, chunk_floats(kH), 1, nullptr, 0, 0, smem, chunk_floats(kH), 1,
                          w.enc_chunks + kDecChunks};
     st.prologue(bars);
-    zero(hacc);
     cuda::wgs::chunk_products<kH / 2>(hacc, st, 0, smem + kZ, kZPlane, bars);
     cuda::wgmma_wait<0>();
     __syncthreads();

@@ -159,11 +159,12 @@ struct ChunkStream {
   }
 };
 
-// Issues chunk q's kS k-steps of acc += A * B^T for this warpgroup's np / 2 =
+// Issues chunk q's kS k-steps of acc = A * B^T for this warpgroup's np / 2 =
 // N columns (warpgroup w takes columns [w N, (w + 1) N) of the chunk): A's
 // big plane at a (k-step blocks kBlock apart, its small plane a_plane
-// further).  Waits for the chunk's bytes first; the products complete at the
-// caller's wgmma_wait.
+// further).  acc's old values are not read (the first product overwrites
+// them), so a fresh accumulator needs no zeroing.  Waits for the chunk's
+// bytes first; the products complete at the caller's wgmma_wait.
 template <int N>
 __device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q, const float* a,
                                                int a_plane, uint64_t* bars) {
@@ -177,7 +178,8 @@ __device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkS
   for (int s = 0; s < kS; ++s) {
     const float* as = a + s * kBlock;
     const float* bs = b + s * np * 8;
-    wgmma_3xtf32<N>(acc, wgmma_desc(as), wgmma_desc(as + a_plane), wgmma_desc(bs), wgmma_desc(bs + b_plane));
+    wgmma_3xtf32<N>(acc, wgmma_desc(as), wgmma_desc(as + a_plane), wgmma_desc(bs), wgmma_desc(bs + b_plane),
+                    s == 0 ? 0 : 1);
   }
   wgmma_commit();
 }
@@ -219,7 +221,6 @@ __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStrea
     after(c);
   };
   auto start = [&](float (&acc)[N / 2], int c) {
-    zero(acc);
     chunk_products<N>(acc, st, q + c, a_of(c), a_plane, bars);
   };
   start(part0, 0);
