@@ -1441,10 +1441,13 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       wgs::zero(acc);
       wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, own, kHPlane, bars);
       q += chunks;
-      cluster.sync();  // both CTAs are done reading the layer's input
+      // The activations are computed while the partner finishes reading the
+      // layer's input; only the stores wait for it.
+      auto read = cluster.barrier_arrive();
+      wgs::map_columns<kNp12 / 2>(acc, [&](int c, float v) { return activate(wgi * (kNp12 / 2) + c, v); });
+      cluster.barrier_wait(std::move(read));
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
-        const int nl = wgi * (kNp12 / 2) + c;
-        store_both(r, rank * kNp12 + nl, activate(nl, v0), activate(nl + 1, v1));
+        store_both(r, rank * kNp12 + wgi * (kNp12 / 2) + c, v0, v1);
       });
       publish();
     };
@@ -1457,11 +1460,12 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       wgs::zero(acc);
       wgs::add_chunks<kNp3 / 2>(acc, st, q, kChunks23, own, kHPlane, bars);
       q += kChunks23;
-      cluster.sync();
+      auto read = cluster.barrier_arrive();
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         xm[i] = euler_step(xm[i], p.dt, acc[i] + consts[3 * kNp12 + acc3_col(i, rank) - rank * kNp3]);
       }
+      cluster.barrier_wait(std::move(read));
 #pragma unroll
       for (int i = 0; i < 8; i += 2) store_both(acc3_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
       publish();

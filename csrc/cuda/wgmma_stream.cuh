@@ -261,6 +261,15 @@ __device__ __forceinline__ void for_each_pair(const float (&acc)[N / 2], F f) {
   }
 }
 
+// acc[i] = f(column, acc[i]) for this thread's accumulators (the columns of
+// for_each_pair), in place.
+template <int N, typename F>
+__device__ __forceinline__ void map_columns(float (&acc)[N / 2], F f) {
+  const int c = 2 * (int(threadIdx.x) % 4);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = f(8 * (i / 4) + c + i % 2, acc[i]);
+}
+
 // Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
 // (big plane at p, small plane `plane` further).  p may point into another
 // CTA of the cluster (a generic address from map_shared_rank).
