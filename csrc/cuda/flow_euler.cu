@@ -1332,9 +1332,17 @@ void launch_tiled(const FlowEulerCall& c) {
 // the bulk copies run ahead across layers and steps.  x itself stays in
 // registers, in the layer-3 accumulators' layout (each thread its 8 values),
 // and is updated there in float32.  A layer: products (per-chunk float32
-// sums, as in every wgmma kernel here) -> cluster barrier (both CTAs are done
-// reading the layer's input) -> bias, SiLU / Euler update, split, stores
-// into both copies -> cluster barrier (the output is complete in both).
+// sums, as in every wgmma kernel here; a stage of the ring is refilled by
+// whichever warpgroup finishes it second, no block barrier per chunk) ->
+// relaxed cluster arrival (done reading the layer's input, which the output
+// overwrites) -> bias, SiLU / Euler update -> cluster wait -> split, stores
+// into this CTA's copy and asynchronous stores (st.async) into the
+// partner's, whose bytes complete on its exchange mbarrier -> wait for the
+// partner's half on this CTA's mbarrier, proxy fence, block barrier.
+// The first version published each layer with a proxy fence and a second
+// cluster barrier instead: both order memory at GPU scope (MEMBAR.GPU in
+// the SASS), and waiting for those fences and the per-chunk block barrier
+// was ~25% of the kernel's stall samples (ncu, twelfth session's run 2).
 namespace fwg {
 
 using cuda::wgs::kBlock;
@@ -1353,15 +1361,21 @@ constexpr int kChunks23 = kH / kKChunk;       // 8
 constexpr int kHPlane = kH / 8 * kBlock;      // one plane of h (floats)
 constexpr int kStage = chunk_floats(kNp12);   // 32 KB: the largest chunk
 constexpr int kRing = 2 * kHPlane;
-constexpr int kBarsAt = kRing + kStages * kStage;
+constexpr int kBarsAt = kRing + kStages * kStage;  // the ring's mbarriers
+constexpr int kXbarAt = kBarsAt + 2 * kStages;     // the exchange's mbarrier
+constexpr int kDoneAt = kXbarAt + 2;               // the ring's completion counters (ChunkStream::done)
 // The epilogues' per-column constants of this CTA's columns, read from
 // shared memory every step instead of global memory: b1, w1's time column,
 // b2 (kNp12 each), b3 (kNp3).
-constexpr int kConstsAt = kBarsAt + 2 * kStages;
+constexpr int kConstsAt = kDoneAt + kStages;
 constexpr int kConsts = 3 * kNp12 + kNp3;
 constexpr size_t kSmem = sizeof(float) * (kConstsAt + kConsts);
 // Packed weights of one CTA rank: layer 1 then layer 2 (chunks of kStage
 // floats), then layer 3 (chunks of chunk_floats(kNp3)).
+// Bytes of one layer's output that the partner stores into this CTA (its
+// half of the columns, both planes, 64 rows): layers 1-2, layer 3.
+constexpr uint32_t kPeerBytes12 = uint32_t(kRowsW * kNp12 * 2 * sizeof(float));
+constexpr uint32_t kPeerBytes3 = uint32_t(kRowsW * kNp3 * 2 * sizeof(float));
 constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
 
 #if defined(FUSED_OPS_WGMMA)
@@ -1382,14 +1396,23 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   namespace wgs = cuda::wgs;
   using wgs::ChunkStream;
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kBarsAt);
+  uint64_t* const xbar = reinterpret_cast<uint64_t*>(smem + kXbarAt);
+  uint32_t* const done = reinterpret_cast<uint32_t*>(smem + kDoneAt);
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
   const int tid = int(threadIdx.x), wgi = tid / 128;
   const int row0 = int(blockIdx.x / 2) * kRowsW, rows = max(0, min(kRowsW, p.B - row0));
   float* const own = smem;                                             // h (x in its first blocks)
-  float* const other = cluster.map_shared_rank(smem, rank ^ 1);        // the partner's copy
+  const uint32_t other = cuda::cluster_addr(smem, rank ^ 1);           // the partner's copy
+  const uint32_t other_xbar = cuda::cluster_addr(xbar, rank ^ 1);
   float* const consts = smem + kConstsAt;
   wgs::init_ring_barriers(bars);
+  if (tid == 0) {
+    cuda::mbarrier_init(xbar, 1);
+    cuda::mbarrier_init_fence();
+    cuda::mbarrier_arrive_expect_tx(xbar, kPeerBytes12);  // layer 1 of step 0
+    for (int s = 0; s < kStages; ++s) done[s] = 0;
+  }
   for (int i = tid; i < kConsts; i += kThreadsW) {
     const int layer = i / kNp12, c = i % kNp12, n = rank * kNp12 + c;
     consts[i] = layer == 0   ? p.b1[n]
@@ -1400,7 +1423,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   __syncthreads();
   const float* const mine = packed + rank * kPackedPerRank;
   ChunkStream st{mine, kStage, kChunks1 + kChunks23, mine + int64_t(kChunks1 + kChunks23) * kStage,
-                 chunk_floats(kNp3), kChunks23, smem + kRing, kStage, kStages, 0, p.num_steps};
+                 chunk_floats(kNp3), kChunks23, smem + kRing, kStage, kStages, 0, p.num_steps, done};
   st.prologue(bars);
 
   // x: this thread's 8 values in registers; the whole tile's split copy in
@@ -1417,17 +1440,28 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     wgs::store_split_pair(own, kHPlane, r, k, r < rows ? src[0] : 0.0f, r < rows ? src[1] : 0.0f);
   }
   cuda::fence_proxy_async();
-  cluster.sync();  // (also: the partner runs before anything is stored into it)
+  cluster.sync();  // (also: the partner's mbarrier is initialised before anything is stored into it)
 
   // Stores the pair into both CTAs' copies of the A operand at (r, k).
   auto store_both = [&](int r, int k, float v0, float v1) {
-    wgs::store_split_pair(own, kHPlane, r, k, v0, v1);
-    wgs::store_split_pair(other, kHPlane, r, k, v0, v1);
+    const wgs::SplitPair s = wgs::split_pair(r, k, v0, v1);
+    *reinterpret_cast<float2*>(own + s.at) = s.big;
+    *reinterpret_cast<float2*>(own + s.at + kHPlane) = s.small;
+    cuda::st_async(other + sizeof(float) * s.at, s.big, other_xbar);
+    cuda::st_async(other + sizeof(float) * (s.at + kHPlane), s.small, other_xbar);
   };
-  // Makes the stores above visible to both CTAs' tensor cores.
-  auto publish = [&] {
-    asm volatile("fence.proxy.async;" ::: "memory");
-    cluster.sync();
+  // After the stores of a layer: waits for the partner's half (acquire at
+  // cluster scope), makes both halves visible to the tensor cores (this
+  // thread's stores and the bytes it acquired, then a block barrier for the
+  // other warpgroup's) and arms the mbarrier's next phase with the next
+  // layer's bytes (none after the last).
+  uint32_t phase = 0;
+  auto publish = [&](uint32_t next_bytes) {
+    cuda::mbarrier_wait(xbar, phase);
+    phase ^= 1u;
+    cuda::fence_proxy_async();
+    __syncthreads();
+    if (tid == 0 && next_bytes != 0) cuda::mbarrier_arrive_expect_tx(xbar, next_bytes);
   };
 
   int q = 0;
@@ -1436,23 +1470,24 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     // Layer 1: x [64 x 64] -> h1, columns [rank * 128, +128); layer 2: h1 ->
     // h2 in place.  activate(nl, v): the output of this CTA's column nl from
     // its product.
-    auto hidden_layer = [&](int chunks, auto activate) {
+    auto hidden_layer = [&](int chunks, auto activate, uint32_t next_bytes) {
       float acc[kNp12 / 4];
       wgs::zero(acc);
       wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, own, kHPlane, bars);
       q += chunks;
       // The activations are computed while the partner finishes reading the
       // layer's input; only the stores wait for it.
-      auto read = cluster.barrier_arrive();
+      cuda::cluster_arrive_relaxed();
       wgs::map_columns<kNp12 / 2>(acc, [&](int c, float v) { return activate(wgi * (kNp12 / 2) + c, v); });
-      cluster.barrier_wait(std::move(read));
+      cuda::cluster_wait();
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
         store_both(r, rank * kNp12 + wgi * (kNp12 / 2) + c, v0, v1);
       });
-      publish();
+      publish(next_bytes);
     };
-    hidden_layer(kChunks1, [&](int nl, float v) { return silu(v + t * consts[kNp12 + nl] + consts[nl]); });
-    hidden_layer(kChunks23, [&](int nl, float v) { return silu(v + consts[2 * kNp12 + nl]); });
+    hidden_layer(
+        kChunks1, [&](int nl, float v) { return silu(v + t * consts[kNp12 + nl] + consts[nl]); }, kPeerBytes12);
+    hidden_layer(kChunks23, [&](int nl, float v) { return silu(v + consts[2 * kNp12 + nl]); }, kPeerBytes3);
     // Layer 3 and the Euler update of this thread's x values; the new x goes
     // into both copies of layer 1's A operand.
     {
@@ -1460,15 +1495,15 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       wgs::zero(acc);
       wgs::add_chunks<kNp3 / 2>(acc, st, q, kChunks23, own, kHPlane, bars);
       q += kChunks23;
-      auto read = cluster.barrier_arrive();
+      cuda::cluster_arrive_relaxed();
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         xm[i] = euler_step(xm[i], p.dt, acc[i] + consts[3 * kNp12 + acc3_col(i, rank) - rank * kNp3]);
       }
-      cluster.barrier_wait(std::move(read));
+      cuda::cluster_wait();
 #pragma unroll
       for (int i = 0; i < 8; i += 2) store_both(acc3_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
-      publish();
+      publish(step + 1 < p.num_steps ? kPeerBytes12 : 0u);
     }
   }
 #pragma unroll
@@ -1476,7 +1511,11 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     const int r = acc3_row(i);
     if (r < rows) p.x[int64_t(row0 + r) * kD + acc3_col(i, rank)] = xm[i];
   }
+  // Neither CTA exits while its stores into the other may be in flight.
+  cuda::cluster_arrive_relaxed();
+  cuda::cluster_wait();
   wgs::inval_ring_barriers(bars);
+  if (tid == 0) cuda::mbarrier_inval(xbar);
 #else
   (void)p;
   (void)packed;

@@ -76,6 +76,24 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
+// mbarrier_wait for a barrier whose phase completes by this block's own
+// bulk copies (a weight ring): acquiring at block scope is enough, and
+// spares the L1 invalidation that a cluster-scope acquire costs on every
+// wait (CCTL.IVALL in the SASS: ncu, twelfth session's run 2).
+__device__ __forceinline__ void mbarrier_wait_cta(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = smem_addr(bar);
+  uint32_t done;
+  do {
+    asm volatile(
+        "{ .reg .pred p;\n"
+        "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
 // Stores v into block `rank`'s copy of *dst and completes its bytes (4 or
 // 16) on that block's copy of *bar (both given as this block's addresses).
 // `rank` must be another block of the cluster.
@@ -93,6 +111,24 @@ __device__ __forceinline__ void st_async(float4* dst, float4 v, uint64_t* bar, i
                "r"(__float_as_uint(v.w)), "r"(cluster_addr(bar, rank))
                : "memory");
 }
+
+// st_async of a float pair to a shared::cluster address (cluster_addr),
+// completing its 8 bytes on the mbarrier at cluster address `bar`.
+__device__ __forceinline__ void st_async(uint32_t dst, float2 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(dst),
+               "f"(v.x), "f"(v.y), "r"(bar)
+               : "memory");
+}
+
+// A cluster barrier whose arrival orders no memory: for "done reading"
+// (a write-after-read hazard on reads already complete, such as wgmma
+// operands after wgmma.wait_group), where the release of a default arrival
+// would wait for this thread's outstanding stores at GPU scope (MEMBAR.GPU
+// in the SASS).  Every thread of the cluster arrives, then waits.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from
 // global memory into this block's shared memory with the bulk copy engine

@@ -134,6 +134,10 @@ struct ChunkStream {
   int stage, depth;
   int g0;
   int repeats = 1;
+  // With `done` (kStages zeroed counters in shared memory), a chunk's stage
+  // is refilled by whichever warpgroup finishes its products second, and
+  // no block barrier is taken per chunk; without, release takes one.
+  uint32_t* done = nullptr;
   __device__ int total() const { return (chunks + chunks2) * repeats; }
   __device__ float* slot(int q) const { return ring + (q % depth) * stage; }
   // Thread 0: arm chunk q's mbarrier with its bytes and start its copy.
@@ -151,9 +155,24 @@ struct ChunkStream {
       for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
     }
   }
-  // After chunk q's products completed in every thread: one block barrier,
-  // then refill its stage.
+  // After chunk q's products completed in this warpgroup (wgmma_wait):
+  // refill its stage once both warpgroups are done with it.  With `done`,
+  // one thread per warpgroup counts the stage's completions (acquire-release
+  // at block scope, as the consumer release of an mbarrier pipeline) and the
+  // second one issues the copy, so neither warpgroup waits for the other;
+  // without, a block barrier, then thread 0.
   __device__ void release(int q, uint64_t* bars) const {
+    if (done != nullptr) {
+      if (threadIdx.x % 128 == 0) {
+        uint32_t old;
+        asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;"
+                     : "=r"(old)
+                     : "r"(smem_addr(done + (g0 + q) % kStages))
+                     : "memory");
+        if ((old & 1u) != 0 && q + depth < total()) issue(q + depth, bars);
+      }
+      return;
+    }
     __syncthreads();
     if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
   }
@@ -169,7 +188,7 @@ template <int N>
 __device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q, const float* a,
                                                int a_plane, uint64_t* bars) {
   const int gq = st.g0 + q;
-  mbarrier_wait(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
+  mbarrier_wait_cta(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
   const int np = 2 * N, wgi = int(threadIdx.x) / 128;
   const float* b = st.slot(q) + wgi * np * 4;
   const int b_plane = kS * np * 8;
@@ -197,8 +216,8 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
 // each chunk before issuing the next left the tensor cores idle for the
 // wait, the adds and the block barrier of every chunk.
 // during(c) runs while chunk c's (and c + 1's) products are in flight;
-// after(c) after chunk c's release (its stage and its A free again, every
-// thread past the barrier).  The loop is unrolled by two so that every
+// after(c) after chunk c's release (with a block barrier, st.done unset:
+// its stage and its A free again, every thread past the barrier).  The loop is unrolled by two so that every
 // wgmma names its accumulator registers statically: an accumulator that
 // ptxas cannot tell apart from one in flight makes it serialise every
 // wgmma of the kernel (warning C7514).
@@ -270,14 +289,25 @@ __device__ __forceinline__ void map_columns(float (&acc)[N / 2], F f) {
   for (int i = 0; i < N / 2; ++i) acc[i] = f(8 * (i / 4) + c + i % 2, acc[i]);
 }
 
-// Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
-// (big plane at p, small plane `plane` further).  p may point into another
-// CTA of the cluster (a generic address from map_shared_rank).
-__device__ __forceinline__ void store_split_pair(float* p, int plane, int r, int k, float v0, float v1) {
+// The pair (v0, v1) at (r, k), k even, of a 64-row A operand, split: its
+// offset in floats in the big plane (the small plane's copy is a plane
+// further) and the two halves.
+struct SplitPair {
+  int at;
+  float2 big, small;
+};
+__device__ __forceinline__ SplitPair split_pair(int r, int k, float v0, float v1) {
   const SplitTf32 s0 = split_tf32(v0), s1 = split_tf32(v1);
-  float* at = p + (k / 8) * kBlock + core_offset(r, k % 8);
-  *reinterpret_cast<float2*>(at) = make_float2(__uint_as_float(s0.big), __uint_as_float(s1.big));
-  *reinterpret_cast<float2*>(at + plane) = make_float2(__uint_as_float(s0.small), __uint_as_float(s1.small));
+  return {(k / 8) * kBlock + core_offset(r, k % 8), make_float2(__uint_as_float(s0.big), __uint_as_float(s1.big)),
+          make_float2(__uint_as_float(s0.small), __uint_as_float(s1.small))};
+}
+
+// Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
+// (big plane at p, small plane `plane` further).
+__device__ __forceinline__ void store_split_pair(float* p, int plane, int r, int k, float v0, float v1) {
+  const SplitPair s = split_pair(r, k, v0, v1);
+  *reinterpret_cast<float2*>(p + s.at) = s.big;
+  *reinterpret_cast<float2*>(p + s.at + plane) = s.small;
 }
 
 #endif  // FUSED_OPS_WGMMA
