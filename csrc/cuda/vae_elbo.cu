@@ -1031,8 +1031,7 @@ constexpr int kZ = kMs + (kRowsWg * kMsLd + 3) / 4 * 4;  // 16-byte aligned
 constexpr int kRingD2 = 2 * kHPlane;
 constexpr int kMisc = kXs + 2 * kXChunk;
 constexpr int kWpart = kMisc, kKlrow = kWpart + 2 * kRowsWg, kBars = kKlrow + kRowsWg;
-// After the mbarriers: the ring's completion counters (ChunkStream::done).
-constexpr size_t kSmemBytes = sizeof(float) * kBars + kStages * (sizeof(uint64_t) + sizeof(uint32_t));
+constexpr size_t kSmemBytes = sizeof(float) * kBars + kStages * sizeof(uint64_t);
 static_assert(kZ + 2 * kZPlane <= kMisc && kRingD2 + kStages * chunk_floats(kPass) <= kMisc, "phase regions");
 static_assert(kRingM + kStages * chunk_floats(2 * kLp) <= kMs, "ring below the logvar hand-over");
 static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
@@ -1056,14 +1055,10 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   using cuda::wgs::zero;
   extern __shared__ __align__(128) float smem[];
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kBars);
-  uint32_t* const done = reinterpret_cast<uint32_t*>(bars + kStages);
   const int tid = int(threadIdx.x), wgi = tid / 128, lane = tid % cuda::kWarpSize;
   const int row0 = int(blockIdx.x) * kRowsWg, rows = min(kRowsWg, a.B - row0);
   const int I = a.I, L = a.L;
   cuda::wgs::init_ring_barriers(bars);
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) done[s] = 0;
-  }
   __syncthreads();
   // Stores relu(acc + bias) of this warpgroup's 128 columns as the next
   // A operand (split, over h's place) and publishes it to the tensor cores.
@@ -1146,7 +1141,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   float* const klrow = smem + kKlrow;
   {
     const ChunkStream st{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
-                         smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks, 1, done};
+                         smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
     st.prologue(bars);
     float macc[kLp / 2];
     zero(macc);
@@ -1206,7 +1201,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   {
     const ChunkStream st{w.d2, chunk_floats(kPass), w.full_passes * kDecChunks,
                          w.d2_tail, chunk_floats(kTailPass), w.tail_passes * kDecChunks,
-                         smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1, 1, done};
+                         smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
     st.prologue(bars);
     auto bce = [&](int n0, int r, int h, int c, float v0, float v1) {
       const int n = n0 + c;
