@@ -9,7 +9,7 @@ kBlock = 64 * 8
 def chunk_floats(np_): return 2 * kS * np_ * 8
 def core_offset(r, k): return (r // 8) * 64 + (k // 4) * 32 + (r % 8) * 4 + (k % 4)
 
-def pack(w0, ld, rows, K, np_, n_start, passes, kchunks):
+def pack(w0, ld, rows, K, np_, n_start, passes, kchunks, kshift=0):
     """pack_core_kernel (single source), float64, big plane = value, small plane = 0."""
     cf = chunk_floats(np_); plane = cf // 2
     out = np.zeros(passes * kchunks * cf)
@@ -19,7 +19,7 @@ def pack(w0, ld, rows, K, np_, n_start, passes, kchunks):
         for o in range(plane):
             s, o3 = divmod(o, np_ * 8)
             col = (o3 // 64) * 8 + (o3 % 32) // 4
-            k = (c * kS + s) * 8 + ((o3 % 64) // 32) * 4 + o3 % 4
+            k = ((c + kshift) % kchunks * kS + s) * 8 + ((o3 % 64) // 32) * 4 + o3 % 4
             row = n_start + q * np_ + col
             v = w[row * ld + k] if (row < rows and k < K) else 0.0
             out[chunk * cf + o] = v
@@ -54,9 +54,10 @@ def run(B=64, steps=2, seed=0):
     kHPlane = H // 8 * kBlock
     packed = {}
     for r in range(2):
-        p1 = pack(w1, D_ + 1, H, D_, kNp12, r * kNp12, 1, kChunks1)
-        p2 = pack(w2, H, H, H, kNp12, r * kNp12, 1, kChunks23)
-        p3 = pack(w3, H, D_, H, kNp3, r * kNp3, 1, kChunks23)
+        # rank r's own half of each layer's K first (kshift, as launch_wgmma packs)
+        p1 = pack(w1, D_ + 1, H, D_, kNp12, r * kNp12, 1, kChunks1, r * kChunks1 // 2)
+        p2 = pack(w2, H, H, H, kNp12, r * kNp12, 1, kChunks23, r * kChunks23 // 2)
+        p3 = pack(w3, H, D_, H, kNp3, r * kNp3, 1, kChunks23, r * kChunks23 // 2)
         packed[r] = (np.concatenate([p1, p2]), p3)
     hsm = {r: np.zeros(2 * kHPlane) for r in range(2)}   # each CTA's copy (big plane only used)
     def store(r_cta, row, k, v):
@@ -83,7 +84,7 @@ def run(B=64, steps=2, seed=0):
                         N = Np // 2
                         b = wgi * Np * 4
                         for s in range(kS):
-                            a_off = (c * kS + s) * kBlock
+                            a_off = ((c + r * (nchunks // 2)) % nchunks * kS + s) * kBlock  # a_of(c)
                             acc[:, wgi * N:(wgi + 1) * N] += wgmma(hsm[r], a_off, stage, b + s * Np * 8, N)
                 outs[r] = acc
             for r in range(2):

@@ -1348,8 +1348,10 @@ void launch_tiled(const FlowEulerCall& c) {
 // relaxed cluster arrival (done reading the layer's input, which the output
 // overwrites) -> bias, SiLU / Euler update -> cluster wait -> split, stores
 // into this CTA's copy and asynchronous stores (st.async) into the
-// partner's, whose bytes complete on its exchange mbarrier -> wait for the
-// partner's half on this CTA's mbarrier, proxy fence, block barrier.
+// partner's, whose bytes complete on its exchange mbarrier -> proxy fence,
+// block barrier.  The next layer's products take this CTA's own half of K
+// first and wait for the partner's half (its mbarrier) only when they
+// reach it, so the exchange travels while the tensor cores work.
 // The first version published each layer with a proxy fence and a second
 // cluster barrier instead: both order memory at GPU scope (MEMBAR.GPU in
 // the SASS), and waiting for those fences and the per-chunk block barrier
@@ -1421,7 +1423,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   if (tid == 0) {
     cuda::mbarrier_init(xbar, 1);
     cuda::mbarrier_init_fence();
-    cuda::mbarrier_arrive_expect_tx(xbar, kPeerBytes12);  // layer 1 of step 0
+    if (p.num_steps > 0) cuda::mbarrier_arrive_expect_tx(xbar, kPeerBytes12);  // exchange 0 (below)
     for (int s = 0; s < kStages; ++s) done[s] = 0;
   }
   for (int i = tid; i < kConsts; i += kThreadsW) {
@@ -1461,19 +1463,39 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     cuda::st_async(other + sizeof(float) * s.at, s.big, other_xbar);
     cuda::st_async(other + sizeof(float) * (s.at + kHPlane), s.small, other_xbar);
   };
-  // After the stores of a layer: waits for the partner's half (acquire at
-  // cluster scope), makes both halves visible to the tensor cores (this
-  // thread's stores and the bytes it acquired, then a block barrier for the
-  // other warpgroup's) and arms the mbarrier's next phase with the next
-  // layer's bytes (none after the last).
-  uint32_t phase = 0;
-  auto publish = [&](uint32_t next_bytes) {
-    cuda::mbarrier_wait(xbar, phase);
-    phase ^= 1u;
+  // After the stores of a layer: this CTA's half of the output (both
+  // warpgroups' quarters) visible to its tensor cores.
+  auto publish_own = [&] {
     cuda::fence_proxy_async();
     __syncthreads();
-    if (tid == 0 && next_bytes != 0) cuda::mbarrier_arrive_expect_tx(xbar, next_bytes);
   };
+  // Exchange e = 0, 1, ..., 3 num_steps - 1 (the outputs of layers 1, 2, 3
+  // of each step in turn) is phase e of xbar, complete when the partner's
+  // half of that output has landed here.  partner_half waits for the next
+  // one (acquire at cluster scope), makes the bytes visible to this
+  // thread's tensor-core reads and arms the phase after it.
+  const int exchanges = 3 * p.num_steps;
+  int xe = 0;
+  auto partner_half = [&] {
+    cuda::mbarrier_wait(xbar, uint32_t(xe) & 1u);
+    cuda::fence_proxy_async();
+    if (tid == 0 && xe + 1 < exchanges) {
+      cuda::mbarrier_arrive_expect_tx(xbar, (xe + 1) % 3 == 2 ? kPeerBytes3 : kPeerBytes12);
+    }
+    ++xe;
+  };
+  // The A operand of chunk c of a layer with `chunks` K chunks: this CTA's
+  // own half of K first (its weights are packed in that order: kshift in
+  // launch_wgmma), so the products start as soon as its own half is stored
+  // and the partner's half travels meanwhile; waited for (when it is still
+  // to come) as its first chunk is issued.
+  auto a_of = [&](int chunks, bool partner_pending) {
+    return [=, &partner_half](int c) {
+      if (partner_pending && c == chunks / 2) partner_half();
+      return own + (c + rank * (chunks / 2)) % chunks * (kS * kBlock);
+    };
+  };
+  auto no_hook = [](int) {};
 
   int q = 0;
   for (int step = 0; step < p.num_steps; ++step) {
@@ -1481,10 +1503,10 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     // Layer 1: x [64 x 64] -> h1, columns [rank * 128, +128); layer 2: h1 ->
     // h2 in place.  activate(nl, v): the output of this CTA's column nl from
     // its product.
-    auto hidden_layer = [&](int chunks, auto activate, uint32_t next_bytes) {
+    auto hidden_layer = [&](int chunks, bool partner_pending, auto activate) {
       float acc[kNp12 / 4];
       wgs::zero(acc);
-      wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, own, kHPlane, bars);
+      wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, a_of(chunks, partner_pending), kHPlane, bars, no_hook, no_hook);
       q += chunks;
       // The activations are computed while the partner finishes reading the
       // layer's input; only the stores wait for it.
@@ -1494,17 +1516,17 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       wgs::for_each_pair<kNp12 / 2>(acc, [&](int r, int, int c, float v0, float v1) {
         store_both(r, rank * kNp12 + wgi * (kNp12 / 2) + c, v0, v1);
       });
-      publish(next_bytes);
+      publish_own();
     };
-    hidden_layer(
-        kChunks1, [&](int nl, float v) { return silu_fast(v + t * consts[kNp12 + nl] + consts[nl]); }, kPeerBytes12);
-    hidden_layer(kChunks23, [&](int nl, float v) { return silu_fast(v + consts[2 * kNp12 + nl]); }, kPeerBytes3);
+    // (Step 0's x is staged whole in both CTAs.)
+    hidden_layer(kChunks1, step > 0, [&](int nl, float v) { return silu_fast(v + t * consts[kNp12 + nl] + consts[nl]); });
+    hidden_layer(kChunks23, true, [&](int nl, float v) { return silu_fast(v + consts[2 * kNp12 + nl]); });
     // Layer 3 and the Euler update of this thread's x values; the new x goes
     // into both copies of layer 1's A operand.
     {
       float acc[kNp3 / 4];
       wgs::zero(acc);
-      wgs::add_chunks<kNp3 / 2>(acc, st, q, kChunks23, own, kHPlane, bars);
+      wgs::add_chunks<kNp3 / 2>(acc, st, q, kChunks23, a_of(kChunks23, true), kHPlane, bars, no_hook, no_hook);
       q += kChunks23;
       cuda::cluster_arrive_relaxed();
 #pragma unroll
@@ -1514,9 +1536,10 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       cuda::cluster_wait();
 #pragma unroll
       for (int i = 0; i < 8; i += 2) store_both(acc3_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
-      publish(step + 1 < p.num_steps ? kPeerBytes12 : 0u);
+      publish_own();
     }
   }
+  if (exchanges > 0) partner_half();  // the last x half: landed before the barriers are invalidated
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = acc3_row(i);
@@ -1552,13 +1575,15 @@ bool launch_wgmma(const FlowEulerCall& c) {
   cuda::wgs::CorePackBatch batch{};
   for (int r = 0; r < 2; ++r) {
     float* base = out + r * fwg::kPackedPerRank;
-    // (w0, w1, ld, rows, K, np, n_start, passes, kchunks, out): w1 without its time column.
+    // (w0, w1, ld, rows, K, np, n_start, passes, kchunks, out, kshift): w1
+    // without its time column; rank r's own half of each layer's K first.
     batch.p[3 * r] = CorePack{p.w1, nullptr, fwg::kD + 1, fwg::kH, fwg::kD, fwg::kNp12, r * fwg::kNp12, 1,
-                              fwg::kChunks1, base};
+                              fwg::kChunks1, base, r * fwg::kChunks1 / 2};
     batch.p[3 * r + 1] = CorePack{p.w2, nullptr, fwg::kH, fwg::kH, fwg::kH, fwg::kNp12, r * fwg::kNp12, 1,
-                                  fwg::kChunks23, base + fwg::kChunks1 * fwg::kStage};
+                                  fwg::kChunks23, base + fwg::kChunks1 * fwg::kStage, r * fwg::kChunks23 / 2};
     batch.p[3 * r + 2] = CorePack{p.w3, nullptr, fwg::kH, fwg::kD, fwg::kH, fwg::kNp3, r * fwg::kNp3, 1,
-                                  fwg::kChunks23, base + (fwg::kChunks1 + fwg::kChunks23) * fwg::kStage};
+                                  fwg::kChunks23, base + (fwg::kChunks1 + fwg::kChunks23) * fwg::kStage,
+                                  r * fwg::kChunks23 / 2};
   }
   cuda::wgs::pack_core(stream, batch, 6);
   FUSED_OPS_CUDA_LAUNCH_CHECK();

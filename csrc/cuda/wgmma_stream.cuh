@@ -37,10 +37,13 @@ __host__ __device__ constexpr int chunk_floats(int np) { return 2 * kS * np * 8;
 // [core matrices: k < 4, k >= 4][8 columns][4 k].  Column c of pass q is
 // weight row n_start + q np + c; with w1 set, the first np / 2 columns are
 // rows of w0 and the rest rows of w1.  Rows past `rows` and k past K are zero.
+// Packed chunk c of a pass holds K chunk (c + kshift) % kchunks: a consumer
+// that has some of its A operand's k sooner than the rest takes those first.
 struct CorePack {
   const float *w0, *w1;
   int ld, rows, K, np, n_start, passes, kchunks;
   float* out;
+  int kshift = 0;
   __host__ __device__ int64_t size() const { return int64_t(passes) * kchunks * chunk_floats(np); }
 };
 constexpr int kMaxPacks = 6;
@@ -63,7 +66,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock) pack_core_kernel(const CoreP
     const int q = chunk / m.kchunks, c = chunk % m.kchunks;
     const int s = o / (m.np * 8), o3 = o % (m.np * 8);
     const int col = (o3 / 64) * 8 + (o3 % 32) / 4;
-    const int k = (c * kS + s) * 8 + ((o3 % 64) / 32) * 4;
+    const int k = ((c + m.kshift) % m.kchunks * kS + s) * 8 + ((o3 % 64) / 32) * 4;
     const float* src = m.w0;
     int row = m.n_start + q * m.np + col;
     if (m.w1 != nullptr) {
@@ -209,7 +212,8 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
   for (int i = 0; i < N; ++i) acc[i] = 0.0f;
 }
 
-// sum += the products of chunks q .. q + count - 1 (chunk c's A at a_of(c)),
+// sum += the products of chunks q .. q + count - 1 (chunk c's A at a_of(c),
+// called right before chunk c's products are issued: it may wait for them),
 // each chunk in a fresh accumulator added in float32, releasing each chunk's
 // stage after its products.  Two accumulators alternate so that chunk
 // c + 1's products run while chunk c's complete and are added: waiting for
