@@ -61,37 +61,38 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 }
 
 // Waits until the phase of parity `parity` has completed, acquiring at
-// cluster scope (the peer's st.async bytes are released at cluster scope).
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+// cluster scope (kCluster: the peer's st.async bytes are released at
+// cluster scope) or at block scope (a barrier whose phase completes by this
+// block's own bulk copies, such as a weight ring: spares the L1
+// invalidation that a cluster-scope acquire costs on every wait, CCTL.IVALL
+// in the SASS: ncu, twelfth session's run 2).
+template <bool kCluster>
+__device__ __forceinline__ void mbarrier_wait_at(uint64_t* bar, uint32_t parity) {
   const uint32_t a = smem_addr(bar);
   uint32_t done;
   do {
-    asm volatile(
-        "{ .reg .pred p;\n"
-        "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "  selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(a), "r"(parity)
-        : "memory");
+    if constexpr (kCluster) {
+      asm volatile(
+          "{ .reg .pred p;\n"
+          "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+          "  selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(a), "r"(parity)
+          : "memory");
+    } else {
+      asm volatile(
+          "{ .reg .pred p;\n"
+          "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+          "  selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(a), "r"(parity)
+          : "memory");
+    }
   } while (!done);
 }
-
-// mbarrier_wait for a barrier whose phase completes by this block's own
-// bulk copies (a weight ring): acquiring at block scope is enough, and
-// spares the L1 invalidation that a cluster-scope acquire costs on every
-// wait (CCTL.IVALL in the SASS: ncu, twelfth session's run 2).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) { mbarrier_wait_at<true>(bar, parity); }
 __device__ __forceinline__ void mbarrier_wait_cta(uint64_t* bar, uint32_t parity) {
-  const uint32_t a = smem_addr(bar);
-  uint32_t done;
-  do {
-    asm volatile(
-        "{ .reg .pred p;\n"
-        "  mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-        "  selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(a), "r"(parity)
-        : "memory");
-  } while (!done);
+  mbarrier_wait_at<false>(bar, parity);
 }
 
 // Stores v into block `rank`'s copy of *dst and completes its bytes (4 or
