@@ -84,6 +84,7 @@ CASES = [
     (67, 64, 256, 2),  # row, the fewest rows
     (129, 64, 256, 3),  # row, a block per SM but three
     (133, 64, 256, 2),  # wgmma on an sm_90a build (tiled otherwise): one row more than an H200 has SMs
+    (200, 64, 256, 1),  # wgmma, one step: only the last exchange (x's partner half) is waited for
     (1, 1, 3, 1),  # cluster, smallest
     (3, 5, 20, 2),  # cluster
     (32, 100, 130, 7),  # cluster, largest B
