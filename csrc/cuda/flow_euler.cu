@@ -128,7 +128,7 @@ __device__ __forceinline__ T silu(T z) {
 // call at B=4096, its error vs float64 unchanged (1.00-1.08x eager's;
 // twelfth session's run 3).  -inf..inf map as silu() maps them (exp
 // overflows to inf, the quotient is -0).
-__device__ __forceinline__ float silu_fast(float z) { return __fdividef(z, 1.0f + __expf(-z)); }
+[[maybe_unused]] __device__ __forceinline__ float silu_fast(float z) { return __fdividef(z, 1.0f + __expf(-z)); }
 
 // x + dt * v rounded like the reference (dt * v first, no fused multiply-add).
 __device__ __forceinline__ float euler_step(float x, float dt, float v) {
@@ -664,7 +664,7 @@ __device__ __forceinline__ void row_euler_update(float* xs, const float* h2, con
 }
 
 // v = p[0..3] as one float4 load when `vec` (16-byte aligned), else four.
-__device__ __forceinline__ float4 row_load4(const float* p, bool vec) {
+[[maybe_unused]] __device__ __forceinline__ float4 row_load4(const float* p, bool vec) {
   return vec ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
 }
 

@@ -306,7 +306,7 @@ struct ClusterLayout {
 
 // Bytes the other CTAs of the cluster push into this one's copy of a
 // [kRows, N] buffer when this CTA owns the columns s: everything else.
-__device__ __forceinline__ uint32_t exchange_bytes(int N, Slice s) {
+[[maybe_unused]] __device__ __forceinline__ uint32_t exchange_bytes(int N, Slice s) {
   return uint32_t(kRows) * uint32_t(N - (s.end - s.begin)) * uint32_t(sizeof(float));
 }
 
