@@ -1519,7 +1519,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       publish_own();
     };
     // (Step 0's x is staged whole in both CTAs.)
-    hidden_layer(kChunks1, step > 0, [&](int nl, float v) { return silu_fast(v + t * consts[kNp12 + nl] + consts[nl]); });
+    hidden_layer(kChunks1, step > 0,
+                 [&](int nl, float v) { return silu_fast(v + t * consts[kNp12 + nl] + consts[nl]); });
     hidden_layer(kChunks23, true, [&](int nl, float v) { return silu_fast(v + consts[2 * kNp12 + nl]); });
     // Layer 3 and the Euler update of this thread's x values; the new x goes
     // into both copies of layer 1's A operand.

@@ -221,10 +221,11 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
 // wait, the adds and the block barrier of every chunk.
 // during(c) runs while chunk c's (and c + 1's) products are in flight;
 // after(c) after chunk c's release (with a block barrier, st.done unset:
-// its stage and its A free again, every thread past the barrier).  The loop is unrolled by two so that every
-// wgmma names its accumulator registers statically: an accumulator that
-// ptxas cannot tell apart from one in flight makes it serialise every
-// wgmma of the kernel (warning C7514).
+// its stage and its A free again, every thread past the barrier).  The
+// loop is unrolled by two so that every wgmma names its accumulator
+// registers statically: an accumulator that ptxas cannot tell apart from
+// one in flight makes it serialise every wgmma of the kernel (warning
+// C7514).
 template <int N, typename AOf, typename During, typename After>
 __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count, AOf a_of,
                                            int a_plane, uint64_t* bars, During during, After after) {
