@@ -1383,12 +1383,14 @@ constexpr int kDoneAt = kXbarAt + 2;               // the ring's completion coun
 constexpr int kConstsAt = kDoneAt + kStages;
 constexpr int kConsts = 3 * kNp12 + kNp3;
 constexpr size_t kSmem = sizeof(float) * (kConstsAt + kConsts);
+// Bytes of one layer's output that the partner stores into this CTA (its
+// half of the columns, both planes, 64 rows) in exchange e = 0, 1, ...: the
+// outputs of layers 1, 2, 3 of each step in turn.
+__host__ __device__ constexpr uint32_t peer_bytes(int e) {
+  return uint32_t(kRowsW * (e % 3 == 2 ? kNp3 : kNp12) * 2 * sizeof(float));
+}
 // Packed weights of one CTA rank: layer 1 then layer 2 (chunks of kStage
 // floats), then layer 3 (chunks of chunk_floats(kNp3)).
-// Bytes of one layer's output that the partner stores into this CTA (its
-// half of the columns, both planes, 64 rows): layers 1-2, layer 3.
-constexpr uint32_t kPeerBytes12 = uint32_t(kRowsW * kNp12 * 2 * sizeof(float));
-constexpr uint32_t kPeerBytes3 = uint32_t(kRowsW * kNp3 * 2 * sizeof(float));
 constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
 
 #if defined(FUSED_OPS_WGMMA)
@@ -1423,7 +1425,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   if (tid == 0) {
     cuda::mbarrier_init(xbar, 1);
     cuda::mbarrier_init_fence();
-    if (p.num_steps > 0) cuda::mbarrier_arrive_expect_tx(xbar, kPeerBytes12);  // exchange 0 (below)
+    if (p.num_steps > 0) cuda::mbarrier_arrive_expect_tx(xbar, peer_bytes(0));  // exchange 0 (below)
     for (int s = 0; s < kStages; ++s) done[s] = 0;
   }
   for (int i = tid; i < kConsts; i += kThreadsW) {
@@ -1469,9 +1471,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     cuda::fence_proxy_async();
     __syncthreads();
   };
-  // Exchange e = 0, 1, ..., 3 num_steps - 1 (the outputs of layers 1, 2, 3
-  // of each step in turn) is phase e of xbar, complete when the partner's
-  // half of that output has landed here.  partner_half waits for the next
+  // Exchange e = 0, 1, ..., 3 num_steps - 1 (peer_bytes) is phase e of
+  // xbar, complete when the partner's half of that output has landed here.  partner_half waits for the next
   // one (acquire at cluster scope), makes the bytes visible to this
   // thread's tensor-core reads and arms the phase after it.
   const int exchanges = 3 * p.num_steps;
@@ -1479,9 +1480,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   auto partner_half = [&] {
     cuda::mbarrier_wait(xbar, uint32_t(xe) & 1u);
     cuda::fence_proxy_async();
-    if (tid == 0 && xe + 1 < exchanges) {
-      cuda::mbarrier_arrive_expect_tx(xbar, (xe + 1) % 3 == 2 ? kPeerBytes3 : kPeerBytes12);
-    }
+    if (tid == 0 && xe + 1 < exchanges) cuda::mbarrier_arrive_expect_tx(xbar, peer_bytes(xe + 1));
     ++xe;
   };
   // The A operand of chunk c of a layer with `chunks` K chunks: this CTA's
