@@ -1,4 +1,4 @@
-"""CPU emulation of branch flow-wgmma's index arithmetic (packing, chunk consumption by wgmma
+"""CPU emulation of the flow wgmma kernel's index arithmetic (packing, chunk consumption by wgmma
 descriptors, accumulator -> column mapping, x/h placement), in float64, against the reference.
 Checks the layouts, not the hardware: the descriptor reading (LBO 128 B along K, SBO 256 B along
 rows) and the accumulator layout are the ones bench/wgmma_probe.cu confirmed."""
@@ -80,12 +80,13 @@ def run(B=64, steps=2, seed=0):
                         stage = src1[(base_chunk + c) * chunk_floats(kNp12):][:chunk_floats(kNp12)]
                     else:
                         stage = src2[c * chunk_floats(kNp3):][:chunk_floats(kNp3)]
-                    for wgi in range(2):
-                        N = Np // 2
-                        b = wgi * Np * 4
+                    # layers 1-2: each warpgroup half of the chunk's columns; layer 3
+                    # (split K): warpgroup c % 2 all of chunk c's columns
+                    for wgi, N, b, col0 in ([(0, Np // 2, 0, 0), (1, Np // 2, Np * 4, Np // 2)] if layer < 2
+                                            else [(c % 2, Np, 0, 0)]):
                         for s in range(kS):
                             a_off = ((c + r * (nchunks // 2)) % nchunks * kS + s) * kBlock  # a_of(c)
-                            acc[:, wgi * N:(wgi + 1) * N] += wgmma(hsm[r], a_off, stage, b + s * Np * 8, N)
+                            acc[:, col0:col0 + N] += wgmma(hsm[r], a_off, stage, b + s * Np * 8, N)
                 outs[r] = acc
             for r in range(2):
                 for n_local in range(outs[r].shape[1]):

@@ -1394,8 +1394,9 @@ __host__ __device__ constexpr uint32_t peer_bytes(int e) {
 constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
 
 #if defined(FUSED_OPS_WGMMA)
-// The 8 (row, column) positions of this thread in a layer-3 accumulator
-// (n16 per warpgroup): index 4 j + 2 h + e is row g + 8 h, column
+// The 8 (row, column) positions of this thread's x values: its warpgroup's
+// 16 columns of the layer-3 accumulator (m64n32, a quarter of x's columns
+// per warpgroup): index 4 j + 2 h + e is row g + 8 h, column
 // col0 + 8 j + 2 t + e of the CTA's half.
 __device__ __forceinline__ int acc3_row(int i) {
   return 16 * (int(threadIdx.x) / 32 % 4) + (int(threadIdx.x) % 32) / 4 + 8 * ((i / 2) % 2);
@@ -1487,10 +1488,11 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   // own half of K first (its weights are packed in that order: kshift in
   // launch_wgmma), so the products start as soon as its own half is stored
   // and the partner's half travels meanwhile; waited for (when it is still
-  // to come) as its first chunk is issued.
-  auto a_of = [&](int chunks, bool partner_pending) {
+  // to come) as this warpgroup's first chunk of it, first_partner, is
+  // issued.
+  auto a_of = [&](int chunks, bool partner_pending, int first_partner) {
     return [=, &partner_half](int c) {
-      if (partner_pending && c == chunks / 2) partner_half();
+      if (partner_pending && c == first_partner) partner_half();
       return own + (c + rank * (chunks / 2)) % chunks * (kS * kBlock);
     };
   };
@@ -1505,7 +1507,8 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     auto hidden_layer = [&](int chunks, bool partner_pending, auto activate) {
       float acc[kNp12 / 4];
       wgs::zero(acc);
-      wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, a_of(chunks, partner_pending), kHPlane, bars, no_hook, no_hook);
+      wgs::add_chunks<kNp12 / 2>(acc, st, q, chunks, a_of(chunks, partner_pending, chunks / 2), kHPlane, bars, no_hook,
+                                 no_hook);
       q += chunks;
       // The activations are computed while the partner finishes reading the
       // layer's input; only the stores wait for it.
@@ -1522,16 +1525,29 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
                  [&](int nl, float v) { return silu_fast(v + t * consts[kNp12 + nl] + consts[nl]); });
     hidden_layer(kChunks23, true, [&](int nl, float v) { return silu_fast(v + consts[2 * kNp12 + nl]); });
     // Layer 3 and the Euler update of this thread's x values; the new x goes
-    // into both copies of layer 1's A operand.
+    // into both copies of layer 1's A operand.  The warpgroups split layer
+    // 3's K, not its 32 columns (add_chunks' kSplitK: warpgroup w takes
+    // chunks w, w + 2, ..., all columns): two warpgroups each reading the
+    // whole of h2 for 16 columns spent the shared-memory bandwidth twice on
+    // m64n16 products.  The partial sums meet in shared memory, in h's
+    // blocks 8-11: nothing reads them once both warpgroups are done with h2
+    // (the block barrier), and the partner's x lands in blocks 0-7 only.
     {
-      float acc[kNp3 / 4];
+      float acc[kNp3 / 2];  // columns [16 w, 16 w + 16) in acc[8 w .. 8 w + 7]
       wgs::zero(acc);
-      wgs::add_chunks<kNp3 / 2>(acc, st, q, kChunks23, a_of(kChunks23, true), kHPlane, bars, no_hook, no_hook);
+      wgs::add_chunks<kNp3, true>(acc, st, q, kChunks23, a_of(kChunks23, true, kChunks23 / 2 + wgi), kHPlane, bars,
+                                  no_hook, no_hook);
       q += kChunks23;
       cuda::cluster_arrive_relaxed();
+      __syncthreads();
+      float* const part = own + 8 * kBlock;  // [warpgroup][thread of it][8]
+#pragma unroll
+      for (int i = 0; i < 8; ++i) part[(wgi * 128 + tid % 128) * 8 + i] = wgi == 0 ? acc[8 + i] : acc[i];
+      __syncthreads();
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        xm[i] = euler_step(xm[i], p.dt, acc[i] + consts[3 * kNp12 + acc3_col(i, rank) - rank * kNp3]);
+        const float v = (wgi == 0 ? acc[i] : acc[8 + i]) + part[((1 - wgi) * 128 + tid % 128) * 8 + i];
+        xm[i] = euler_step(xm[i], p.dt, v + consts[3 * kNp12 + acc3_col(i, rank) - rank * kNp3]);
       }
       cuda::cluster_wait();
 #pragma unroll

@@ -179,21 +179,27 @@ struct ChunkStream {
     __syncthreads();
     if (threadIdx.x == 0 && q + depth < total()) issue(q + depth, bars);
   }
+  // release for a chunk that only this warpgroup reads (add_chunks'
+  // split-K mode): its stage is refilled at once.
+  __device__ void release_own(int q, uint64_t* bars) const {
+    if (threadIdx.x % 128 == 0 && q + depth < total()) issue(q + depth, bars);
+  }
 };
 
 // Issues chunk q's kS k-steps of acc = A * B^T for this warpgroup's np / 2 =
-// N columns (warpgroup w takes columns [w N, (w + 1) N) of the chunk): A's
+// N columns (warpgroup w takes columns [w N, (w + 1) N) of the chunk; with
+// kWhole, the chunk holds N columns and this warpgroup takes them all): A's
 // big plane at a (k-step blocks kBlock apart, its small plane a_plane
 // further).  acc's old values are not read (the first product overwrites
 // them), so a fresh accumulator needs no zeroing.  Waits for the chunk's
 // bytes first; the products complete at the caller's wgmma_wait.
-template <int N>
+template <int N, bool kWhole = false>
 __device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q, const float* a,
                                                int a_plane, uint64_t* bars) {
   const int gq = st.g0 + q;
   mbarrier_wait_cta(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
-  const int np = 2 * N, wgi = int(threadIdx.x) / 128;
-  const float* b = st.slot(q) + wgi * np * 4;
+  const int np = kWhole ? N : 2 * N, wgi = int(threadIdx.x) / 128;
+  const float* b = st.slot(q) + (kWhole ? 0 : wgi * np * 4);
   const int b_plane = kS * np * 8;
   wgmma_fence();
 #pragma unroll
@@ -226,13 +232,24 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
 // registers statically: an accumulator that ptxas cannot tell apart from
 // one in flight makes it serialise every wgmma of the kernel (warning
 // C7514).
-template <int N, typename AOf, typename During, typename After>
+// kSplitK: the warpgroups split the chunks instead of the columns --
+// warpgroup w takes chunks w, w + 2, ... (count even), all N columns of
+// each (chunk_products' kWhole), and sum holds its partial sums over them;
+// c in a_of, during and after still counts the chunks from q.  For narrow
+// outputs, where two warpgroups each reading the whole A operand for a
+// few columns would spend the shared-memory bandwidth twice.
+template <int N, bool kSplitK = false, typename AOf, typename During, typename After>
 __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count, AOf a_of,
                                            int a_plane, uint64_t* bars, During during, After after) {
+  const int wgi = int(threadIdx.x) / 128;
+  // The index in [q, q + count) of this warpgroup's k-th chunk.
+  auto chunk = [&](int k) { return kSplitK ? 2 * k + wgi : k; };
+  if (kSplitK) count /= 2;
   float part0[N / 2], part1[N / 2];
-  // Chunk c (its products in `cur`) completes and is added while chunk
-  // c + 1's products (into `next`, when there is one) are in flight.
-  auto finish = [&](float (&cur)[N / 2], int c, bool more) {
+  // This warpgroup's k-th chunk (its products in `cur`) completes and is
+  // added while its (k + 1)-th chunk's products are in flight.
+  auto finish = [&](float (&cur)[N / 2], int k, bool more) {
+    const int c = chunk(k);
     during(c);
     if (more) {
       wgmma_wait<1>();
@@ -241,26 +258,31 @@ __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStrea
     }
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) sum[i] += cur[i];
-    st.release(q + c, bars);
+    if (kSplitK) {
+      st.release_own(q + c, bars);
+    } else {
+      st.release(q + c, bars);
+    }
     after(c);
   };
-  auto start = [&](float (&acc)[N / 2], int c) {
-    chunk_products<N>(acc, st, q + c, a_of(c), a_plane, bars);
+  auto start = [&](float (&acc)[N / 2], int k) {
+    const int c = chunk(k);
+    chunk_products<N, kSplitK>(acc, st, q + c, a_of(c), a_plane, bars);
   };
   start(part0, 0);
-  int c = 0;
-  for (; c + 2 < count; c += 2) {
-    start(part1, c + 1);
-    finish(part0, c, true);
-    start(part0, c + 2);
-    finish(part1, c + 1, true);
+  int k = 0;
+  for (; k + 2 < count; k += 2) {
+    start(part1, k + 1);
+    finish(part0, k, true);
+    start(part0, k + 2);
+    finish(part1, k + 1, true);
   }
-  if (c + 1 < count) {
-    start(part1, c + 1);
-    finish(part0, c, true);
-    finish(part1, c + 1, false);
+  if (k + 1 < count) {
+    start(part1, k + 1);
+    finish(part0, k, true);
+    finish(part1, k + 1, false);
   } else {
-    finish(part0, c, false);
+    finish(part0, k, false);
   }
 }
 
