@@ -1143,6 +1143,21 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     const ChunkStream st{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
                          smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
     st.prologue(bars);
+    // macc[i]: row rb + 8 ((i / 2) % 2), column lb + 8 (i / 4) + i % 2
+    // (for_each_pair's layout).  Warpgroup 0's global loads for the z / KL
+    // epilogue (eps, b_mu) are issued before the products, so their latency
+    // hides behind them (loaded next to each term, every load stalled the
+    // warp: see the decoder passes below).
+    const int rb = 16 * (tid / 32 % 4) + lane / 4, lb = 2 * (lane % 4);
+    float ep[kLp / 2], bmu[kLp / 4];
+    if (wgi == 0) {
+#pragma unroll
+      for (int i = 0; i < kLp / 2; ++i) {
+        const int r = rb + 8 * ((i / 2) % 2), l = lb + 8 * (i / 4) + i % 2;
+        ep[i] = (r < rows && l < L) ? __ldg(a.eps + int64_t(row0 + r) * L + l) : 0.0f;
+        if ((i / 2) % 2 == 0) bmu[i / 4 * 2 + i % 2] = l < L ? __ldg(a.b_mu + l) : 0.0f;
+      }
+    }
     float macc[kLp / 2];
     zero(macc);
     add_chunks<kLp>(macc, st, 0, st.total(), smem, kHPlane, bars);
@@ -1156,20 +1171,21 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     __syncthreads();
     if (wgi == 0) {
       float kl[2] = {0.0f, 0.0f};  // rows g and g + 8 of this warp
-      for_each_pair<kLp>(macc, [&](int r, int h, int l, float v0, float v1) {
-        float zz[2], vv[2] = {v0, v1};
+#pragma unroll
+      for (int i = 0; i < kLp / 2; i += 2) {  // column pairs in for_each_pair's order
+        const int h = (i / 2) % 2, r = rb + 8 * h, l = lb + 8 * (i / 4);
+        float zz[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           zz[e] = 0.0f;
           if (l + e < L) {
-            const float mu = vv[e] + __ldg(a.b_mu + l + e), lv = ms[r * kMsLd + l + e];
-            const float ep = r < rows ? __ldg(a.eps + int64_t(row0 + r) * L + l + e) : 0.0f;
-            zz[e] = mu + expf(0.5f * lv) * ep;
+            const float mu = macc[i + e] + bmu[i / 4 * 2 + e], lv = ms[r * kMsLd + l + e];
+            zz[e] = mu + expf(0.5f * lv) * ep[i + e];
             kl[h] += ((1.0f + lv) - mu * mu) - expf(lv);  // the reference's order
           }
         }
         store_split_pair(smem + kZ, kZPlane, r, l, zz[0], zz[1]);
-      });
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v = kl[h];
@@ -1203,15 +1219,12 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
                          w.d2_tail, chunk_floats(kTailPass), w.tail_passes * kDecChunks,
                          smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
     st.prologue(bars);
-    auto bce = [&](int n0, int r, int h, int c, float v0, float v1) {
-      const int n = n0 + c;
-      if (r < rows) {
-        const float* xr = a.x + int64_t(row0 + r) * I;
-        if (n < I) rsum[h] += bce_term(v0 + __ldg(a.b_d2 + n), __ldg(xr + n));
-        if (n + 1 < I) rsum[h] += bce_term(v1 + __ldg(a.b_d2 + n + 1), __ldg(xr + n + 1));
-      }
-    };
     // One decoder pass of NP columns (NP / 2 per warpgroup) from column n0.
+    // The epilogue loads its x and b_dec2 values for all of this thread's
+    // logits first (0 where masked), then adds the BCE terms in
+    // for_each_pair's order: loaded next to each term, every load's L2
+    // latency stalled the warp (the branches inside each term's exp / log
+    // kept the compiler from hoisting them; ncu, twelfth session's run 2).
     int q = 0;
     auto decoder_pass = [&](auto np, int n0) {
       constexpr int NP = decltype(np)::value;
@@ -1219,8 +1232,21 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       zero(dacc);
       add_chunks<NP / 2>(dacc, st, q, kDecChunks, smem, kHPlane, bars);
       q += kDecChunks;
-      n0 += wgi * (NP / 2);
-      for_each_pair<NP / 2>(dacc, [&](int r, int h, int c, float v0, float v1) { bce(n0, r, h, c, v0, v1); });
+      // dacc[i]: row r0 + 8 ((i / 2) % 2), column n0 + 8 (i / 4) + i % 2 (for_each_pair).
+      const int r0 = 16 * (tid / 32 % 4) + lane / 4;
+      n0 += wgi * (NP / 2) + 2 * (lane % 4);
+      float xin[NP / 4], bias[NP / 8];  // bias: one per column (rows r0 and r0 + 8 share it)
+#pragma unroll
+      for (int i = 0; i < NP / 4; ++i) {
+        const int r = r0 + 8 * ((i / 2) % 2), n = n0 + 8 * (i / 4) + i % 2;
+        xin[i] = (r < rows && n < I) ? __ldg(a.x + int64_t(row0 + r) * I + n) : 0.0f;
+        if ((i / 2) % 2 == 0) bias[i / 4 * 2 + i % 2] = n < I ? __ldg(a.b_d2 + n) : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < NP / 4; ++i) {
+        const int r = r0 + 8 * ((i / 2) % 2), n = n0 + 8 * (i / 4) + i % 2;
+        if (r < rows && n < I) rsum[(i / 2) % 2] += bce_term(dacc[i] + bias[i / 4 * 2 + i % 2], xin[i]);
+      }
     };
     for (int p = 0; p < w.full_passes; ++p) decoder_pass(std::integral_constant<int, kPass>{}, p * kPass);
     for (int p = 0; p < w.tail_passes; ++p) {
