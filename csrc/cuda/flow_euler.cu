@@ -1389,8 +1389,12 @@ constexpr size_t kSmem = sizeof(float) * (kConstsAt + kConsts);
 __host__ __device__ constexpr uint32_t peer_bytes(int e) {
   return uint32_t(kRowsW * (e % 3 == 2 ? kNp3 : kNp12) * 2 * sizeof(float));
 }
+// Layer 3's K chunks (chunk_floats(kNp3) floats: 8 KB) travel kSub3 to a
+// ring chunk (add_chunks' kSub), as layers 1-2's 32 KB chunks do.
+constexpr int kSub3 = kStage / chunk_floats(kNp3);  // 4
+static_assert(kSub3 * chunk_floats(kNp3) == kStage && kChunks23 % (2 * kSub3) == 0, "layer 3's ring chunks");
 // Packed weights of one CTA rank: layer 1 then layer 2 (chunks of kStage
-// floats), then layer 3 (chunks of chunk_floats(kNp3)).
+// floats), then layer 3 (chunks of chunk_floats(kNp3), kSub3 to a stage).
 constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
 
 #if defined(FUSED_OPS_WGMMA)
@@ -1439,7 +1443,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   __syncthreads();
   const float* const mine = packed + rank * kPackedPerRank;
   ChunkStream st{mine, kStage, kChunks1 + kChunks23, mine + int64_t(kChunks1 + kChunks23) * kStage,
-                 chunk_floats(kNp3), kChunks23, smem + kRing, kStage, kStages, 0, p.num_steps, done};
+                 kStage, kChunks23 / kSub3, smem + kRing, kStage, kStages, 0, p.num_steps, done};
   st.prologue(bars);
 
   // x: this thread's 8 values in registers; the whole tile's split copy in
@@ -1535,9 +1539,9 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     {
       float acc[kNp3 / 2];  // columns [16 w, 16 w + 16) in acc[8 w .. 8 w + 7]
       wgs::zero(acc);
-      wgs::add_chunks<kNp3, true>(acc, st, q, kChunks23, a_of(kChunks23, true, kChunks23 / 2 + wgi), kHPlane, bars,
-                                  no_hook, no_hook);
-      q += kChunks23;
+      wgs::add_chunks<kNp3, true, kSub3>(acc, st, q, kChunks23, a_of(kChunks23, true, kChunks23 / 2 + wgi), kHPlane,
+                                         bars, no_hook, no_hook);
+      q += kChunks23 / kSub3;
       cuda::cluster_arrive_relaxed();
       __syncthreads();
       float* const part = own + 8 * kBlock;  // [warpgroup][thread of it][8]

@@ -193,13 +193,16 @@ struct ChunkStream {
 // further).  acc's old values are not read (the first product overwrites
 // them), so a fresh accumulator needs no zeroing.  Waits for the chunk's
 // bytes first; the products complete at the caller's wgmma_wait.
+// sub: which of the chunk's consecutive sub-chunks (each of
+// chunk_floats(np) floats) to take, for streams whose ring chunks hold
+// several (add_chunks' kSub).
 template <int N, bool kWhole = false>
 __device__ __forceinline__ void chunk_products(float (&acc)[N / 2], const ChunkStream& st, int q, const float* a,
-                                               int a_plane, uint64_t* bars) {
+                                               int a_plane, uint64_t* bars, int sub = 0) {
   const int gq = st.g0 + q;
   mbarrier_wait_cta(bars + gq % kStages, uint32_t(gq / kStages) & 1u);
   const int np = kWhole ? N : 2 * N, wgi = int(threadIdx.x) / 128;
-  const float* b = st.slot(q) + (kWhole ? 0 : wgi * np * 4);
+  const float* b = st.slot(q) + sub * chunk_floats(np) + (kWhole ? 0 : wgi * np * 4);
   const int b_plane = kS * np * 8;
   wgmma_fence();
 #pragma unroll
@@ -238,7 +241,13 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
 // c in a_of, during and after still counts the chunks from q.  For narrow
 // outputs, where two warpgroups each reading the whole A operand for a
 // few columns would spend the shared-memory bandwidth twice.
-template <int N, bool kSplitK = false, typename AOf, typename During, typename After>
+// kSub: each ring chunk holds kSub consecutive K chunks (count of them in
+// all, from ring chunk q on), each still in its own fresh accumulator: a
+// stream of small chunks (narrow outputs) then keeps as many bytes in
+// flight as one of wide chunks, instead of a few small copies whose L2
+// latency the products wait for.  A ring chunk is released after its
+// last K chunk that this warpgroup takes.
+template <int N, bool kSplitK = false, int kSub = 1, typename AOf, typename During, typename After>
 __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count, AOf a_of,
                                            int a_plane, uint64_t* bars, During during, After after) {
   const int wgi = int(threadIdx.x) / 128;
@@ -258,16 +267,20 @@ __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStrea
     }
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) sum[i] += cur[i];
-    if (kSplitK) {
-      st.release_own(q + c, bars);
-    } else {
-      st.release(q + c, bars);
+    if (kSub == 1) {
+      if (kSplitK) {
+        st.release_own(q + c, bars);
+      } else {
+        st.release(q + c, bars);
+      }
+    } else if (c % kSub + (kSplitK ? 2 : 1) >= kSub) {
+      st.release(q + c / kSub, bars);
     }
     after(c);
   };
   auto start = [&](float (&acc)[N / 2], int k) {
     const int c = chunk(k);
-    chunk_products<N, kSplitK>(acc, st, q + c, a_of(c), a_plane, bars);
+    chunk_products<N, kSplitK>(acc, st, q + c / kSub, a_of(c), a_plane, bars, c % kSub);
   };
   start(part0, 0);
   int k = 0;
