@@ -849,7 +849,7 @@ struct Split {
   static constexpr bool kW1InRegisters = C == 4;
   static constexpr int kW1Chunks = kW1InRegisters ? 0 : 4 * kRowK1 / 4;  // float4s of w1 per thread
   // The partners' h2 bytes per step.
-  static constexpr uint32_t kPeerBytes = uint32_t((C - 1) * kNeurons2 * sizeof(float));
+  static constexpr uint32_t peer_bytes() { return uint32_t((C - 1) * kNeurons2 * sizeof(float)); }
   // Shared memory (floats): w1 [chunk][thread] float4s (C = 2), w1's plain
   // copy (staging while loading), x, h1, h2 twice, biases (b1, w1's time
   // column, b2, b3), two mbarriers.
@@ -870,7 +870,7 @@ static_assert(Split<2>::kPerGroup2 == 2 && Split<4>::kPerGroup2 == 1, "groups ow
 // Sums of two neurons' partials over the 8 lanes of a group, returned for
 // neuron lane bit 2 (all four lanes that share it get the identical value:
 // each step adds the same two numbers on both lanes).  Fixed order.
-__device__ __forceinline__ float pair_reduce2(const float (&v)[2]) {
+[[maybe_unused]] __device__ __forceinline__ float pair_reduce2(const float (&v)[2]) {
   const bool hi = int(threadIdx.x) & 4;
   float a = hi ? v[1] : v[0];
   a += __shfl_xor_sync(kFullMask, hi ? v[0] : v[1], 4);
@@ -959,7 +959,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) flow_split_kernel(FlowParams a
     uint64_t* const h2_ready = bars + (step & 1);
     // This step's phase of h2_ready: one arrival (here, early, off the
     // critical path) and the partners' bytes.
-    if (tid == 0) cuda::mbarrier_arrive_expect_tx(h2_ready, S::kPeerBytes);
+    if (tid == 0) cuda::mbarrier_arrive_expect_tx(h2_ready, S::peer_bytes());
     {  // h1 = silu(w1 [x, t] + b1), all 256 neurons
       const float sum = row_dots4<kRowK1>(xs + row_pad(kRowK1 * s), [&](int i, int k) {
         if constexpr (S::kW1InRegisters) {
@@ -1386,7 +1386,7 @@ constexpr size_t kSmem = sizeof(float) * (kConstsAt + kConsts);
 // Bytes of one layer's output that the partner stores into this CTA (its
 // half of the columns, both planes, 64 rows) in exchange e = 0, 1, ...: the
 // outputs of layers 1, 2, 3 of each step in turn.
-__host__ __device__ constexpr uint32_t peer_bytes(int e) {
+[[maybe_unused]] __host__ __device__ constexpr uint32_t peer_bytes(int e) {
   return uint32_t(kRowsW * (e % 3 == 2 ? kNp3 : kNp12) * 2 * sizeof(float));
 }
 // Layer 3's K chunks (chunk_floats(kNp3) floats: 8 KB) travel kSub3 to a
