@@ -1008,6 +1008,11 @@ constexpr int kLp = 32;
 constexpr int kPass = 128;      // decoder columns per full pass (64 per warpgroup)
 constexpr int kTailPass = 16;   // ... per tail pass (8 per warpgroup)
 constexpr int kDecChunks = kH / kKChunk;
+// A tail pass's K chunks (4 KB each) travel together in one 32 KB ring
+// chunk (add_chunks' kSub), as a full pass's chunks do one by one: eight
+// 4 KB copies three at a time left its products waiting on L2 latency.
+constexpr int kSubTail = kDecChunks;
+static_assert(kSubTail * chunk_floats(kTailPass) == chunk_floats(kPass), "a tail pass fills one ring stage");
 
 // Sizes in floats (kBlock: a 64-row operand's k-step block; chunk_floats:
 // a chunk of packed weights, cuda/wgmma_stream.cuh).
@@ -1216,7 +1221,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   float rsum[2] = {0.0f, 0.0f};
   {
     const ChunkStream st{w.d2, chunk_floats(kPass), w.full_passes * kDecChunks,
-                         w.d2_tail, chunk_floats(kTailPass), w.tail_passes * kDecChunks,
+                         w.d2_tail, chunk_floats(kPass), w.tail_passes,
                          smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
     st.prologue(bars);
     // One decoder pass of NP columns (NP / 2 per warpgroup) from column n0.
@@ -1230,8 +1235,9 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
       constexpr int NP = decltype(np)::value;
       float dacc[NP / 4];
       zero(dacc);
-      add_chunks<NP / 2>(dacc, st, q, kDecChunks, smem, kHPlane, bars);
-      q += kDecChunks;
+      constexpr int kSub = NP == kTailPass ? kSubTail : 1;
+      add_chunks<NP / 2, kSub>(dacc, st, q, kDecChunks, smem, kHPlane, bars);
+      q += kDecChunks / kSub;
       // dacc[i]: row r0 + 8 ((i / 2) % 2), column n0 + 8 (i / 4) + i % 2 (for_each_pair).
       const int r0 = 16 * (tid / 32 % 4) + lane / 4;
       n0 += wgi * (NP / 2) + 2 * (lane % 4);

@@ -300,10 +300,10 @@ __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStrea
 }
 
 // add_chunks for A operands kS k-steps apart from a (a layer's K in order).
-template <int N>
+template <int N, int kSub = 1>
 __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count,
                                            const float* a, int a_plane, uint64_t* bars) {
-  add_chunks<N>(
+  add_chunks<N, false, kSub>(
       sum, st, q, count, [a](int c) { return a + c * (kS * kBlock); }, a_plane, bars, [](int) {}, [](int) {});
 }
 
