@@ -1339,8 +1339,9 @@ void launch_tiled(const FlowEulerCall& c) {
 // each CTA holds the full A operand of the next layer.  Shared memory: h
 // split (64 x 256, two planes: 128 KB; x's split copy lives in its first
 // eight k-step blocks, the A operand of layer 1) and a ring of three 32 KB
-// weight chunks; the chunk sequence (18 per step) repeats every step, so
-// the bulk copies run ahead across layers and steps.  x itself stays in
+// weight chunks (layer 3's 8 KB K chunks four to one); the chunk sequence
+// (12 per step) repeats every step, so the bulk copies run ahead across
+// layers and steps.  x itself stays in
 // registers, in the layer-3 accumulators' layout (each thread its 8 values),
 // and is updated there in float32.  A layer: products (per-chunk float32
 // sums, as in every wgmma kernel here; a stage of the ring is refilled by
