@@ -246,10 +246,14 @@ __device__ __forceinline__ void zero(float (&acc)[N]) {
 // stream of small chunks (narrow outputs) then keeps as many bytes in
 // flight as one of wide chunks, instead of a few small copies whose L2
 // latency the products wait for.  A ring chunk is released after its
-// last K chunk that this warpgroup takes.
+// last K chunk that this warpgroup takes (count a multiple of kSub).
 template <int N, bool kSplitK = false, int kSub = 1, typename AOf, typename During, typename After>
 __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStream& st, int q, int count, AOf a_of,
                                            int a_plane, uint64_t* bars, During during, After after) {
+  // Split K over ring chunks of an even kSub: both warpgroups release each
+  // ring chunk in the same iteration, which release's block barrier (a
+  // stream without `done`) needs.
+  static_assert(!kSplitK || kSub == 1 || kSub % 2 == 0, "split K takes an even kSub");
   const int wgi = int(threadIdx.x) / 128;
   // The index in [q, q + count) of this warpgroup's k-th chunk.
   auto chunk = [&](int k) { return kSplitK ? 2 * k + wgi : k; };
