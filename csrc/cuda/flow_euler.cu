@@ -1466,8 +1466,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   // Stores the pair into both CTAs' copies of the A operand at (r, k).
   auto store_both = [&](int r, int k, float v0, float v1) {
     const wgs::SplitPair s = wgs::split_pair(r, k, v0, v1);
-    *reinterpret_cast<float2*>(own + s.at) = s.big;
-    *reinterpret_cast<float2*>(own + s.at + kHPlane) = s.small;
+    wgs::store_split(own, kHPlane, s);
     cuda::st_async(other + sizeof(float) * s.at, s.big, other_xbar);
     cuda::st_async(other + sizeof(float) * (s.at + kHPlane), s.small, other_xbar);
   };

@@ -271,14 +271,12 @@ __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStrea
     }
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) sum[i] += cur[i];
-    if (kSub == 1) {
-      if (kSplitK) {
-        st.release_own(q + c, bars);
+    if (c % kSub + (kSplitK ? 2 : 1) >= kSub) {  // this warpgroup's last K chunk of its ring chunk
+      if (kSplitK && kSub == 1) {
+        st.release_own(q + c, bars);  // a ring chunk only this warpgroup reads
       } else {
-        st.release(q + c, bars);
+        st.release(q + c / kSub, bars);
       }
-    } else if (c % kSub + (kSplitK ? 2 : 1) >= kSub) {
-      st.release(q + c / kSub, bars);
     }
     after(c);
   };
@@ -346,12 +344,17 @@ __device__ __forceinline__ SplitPair split_pair(int r, int k, float v0, float v1
           make_float2(__uint_as_float(s0.small), __uint_as_float(s1.small))};
 }
 
+// Stores a split pair into the A operand whose big plane is at p (its small
+// plane `plane` further).
+__device__ __forceinline__ void store_split(float* p, int plane, const SplitPair& s) {
+  *reinterpret_cast<float2*>(p + s.at) = s.big;
+  *reinterpret_cast<float2*>(p + s.at + plane) = s.small;
+}
+
 // Stores the split pair (v0, v1) at (r, k), k even, of a 64-row A operand
 // (big plane at p, small plane `plane` further).
 __device__ __forceinline__ void store_split_pair(float* p, int plane, int r, int k, float v0, float v1) {
-  const SplitPair s = split_pair(r, k, v0, v1);
-  *reinterpret_cast<float2*>(p + s.at) = s.big;
-  *reinterpret_cast<float2*>(p + s.at + plane) = s.small;
+  store_split(p, plane, split_pair(r, k, v0, v1));
 }
 
 #endif  // FUSED_OPS_WGMMA
