@@ -1028,6 +1028,8 @@ constexpr int kMsLd = kLp + 1;
 //             handed from warpgroup 1 to 0 at kMs, z at kZ
 //   decoder 1 its one weight chunk (L <= 32) at 0, z; g written over h
 //   decoder 2 g at 0, ring of 3 x 32 KB at kRingD2
+//   (decoder 1's chunk and decoder 2's first are issued as soon as the
+//   mu|logvar products are done: they land below ms and z)
 //   all       BCE partial sums, KL row sums, the stages' mbarriers at kMisc
 constexpr int kXs = kStages * chunk_floats(kH);
 constexpr int kRingM = 2 * kHPlane;
@@ -1144,6 +1146,15 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   // 2. mu (warpgroup 0) and logvar (warpgroup 1), 32 padded columns each;
   //    then z and the KL terms in warpgroup 0.
   float* const klrow = smem + kKlrow;
+  // The decoder's weight streams (phases 3 and 4), whose first chunks are
+  // issued at the end of phase 2's products (below).
+  const ChunkStream d1_stream{w.d1, chunk_floats(kH), 1, nullptr, 0, 0, smem, chunk_floats(kH), 1,
+                              w.enc_chunks + kDecChunks};
+  const ChunkStream d2_stream{w.d2, chunk_floats(kPass), w.full_passes * kDecChunks,
+                              w.d2_tail, chunk_floats(kPass), w.tail_passes,
+                              smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
+  static_assert(kRingD2 + chunk_floats(kPass) <= kMs && chunk_floats(kH) <= kHPlane,
+                "decoder 1's chunk and decoder 2's first stage clear of ms and z");
   {
     const ChunkStream st{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
                          smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
@@ -1166,6 +1177,17 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     float macc[kLp / 2];
     zero(macc);
     add_chunks<kLp>(macc, st, 0, st.total(), smem, kHPlane, bars);
+    // h and this phase's ring are free now (add_chunks' last release is a
+    // block barrier after every warpgroup's products), so decoder 1's chunk
+    // (over h's big plane) and decoder 2's first (its ring's stage 0, below
+    // ms and z) travel during the z / KL epilogue instead of after it.
+    // Their mbarriers' previous phases were this phase's chunks 5 and 6,
+    // consumed; decoder 2's chunks 1 and 2 wait for phase 4 (stage 1 holds
+    // ms, and chunk 2's mbarrier is decoder 1's).
+    if (tid == 0) {
+      d1_stream.issue(0, bars);
+      d2_stream.issue(0, bars);
+    }
     float* const ms = smem + kMs;
     if (wgi == 1) {
       for_each_pair<kLp>(macc, [&](int r, int, int l, float v0, float v1) {
@@ -1206,10 +1228,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1) over h's place
   //    (after every warpgroup's products: the chunk sits there too).
   {
-    const ChunkStream st{w.d1, chunk_floats(kH), 1, nullptr, 0, 0, smem, chunk_floats(kH), 1,
-                         w.enc_chunks + kDecChunks};
-    st.prologue(bars);
-    cuda::wgs::chunk_products<kH / 2>(hacc, st, 0, smem + kZ, kZPlane, bars);
+    cuda::wgs::chunk_products<kH / 2>(hacc, d1_stream, 0, smem + kZ, kZPlane, bars);
     cuda::wgmma_wait<0>();
     __syncthreads();
     store_hidden(hacc, a.b_d1);
@@ -1220,10 +1239,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   //    warp, terms added in a fixed order.
   float rsum[2] = {0.0f, 0.0f};
   {
-    const ChunkStream st{w.d2, chunk_floats(kPass), w.full_passes * kDecChunks,
-                         w.d2_tail, chunk_floats(kPass), w.tail_passes,
-                         smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
-    st.prologue(bars);
+    const ChunkStream& st = d2_stream;
+    st.prologue(bars, 1);  // (chunk 0 issued in phase 2)
     // One decoder pass of NP columns (NP / 2 per warpgroup) from column n0.
     // The epilogue loads its x and b_dec2 values for all of this thread's
     // logits first (0 where masked), then adds the BCE terms in

@@ -153,9 +153,11 @@ struct ChunkStream {
     mbarrier_arrive_expect_tx(bar, bytes);
     bulk_copy_g2s(slot(q), from, bytes, bar);
   }
-  __device__ void prologue(uint64_t* bars) const {
+  // Thread 0: the first `depth` chunks, from chunk `from` on (the chunks
+  // before it issued earlier, where their stages were free sooner).
+  __device__ void prologue(uint64_t* bars, int from = 0) const {
     if (threadIdx.x == 0) {
-      for (int q = 0; q < depth && q < total(); ++q) issue(q, bars);
+      for (int q = from; q < depth && q < total(); ++q) issue(q, bars);
     }
   }
   // After chunk q's products completed in this warpgroup (wgmma_wait):
