@@ -1083,6 +1083,12 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   //    of the products; a quarter warp's eight float4 stores cover eight rows
   //    of one core matrix column (conflict-free).
   float hacc[kH / 4];  // this warpgroup's 128 columns
+  // Phase 2's weight stream: its first chunks are issued when the encoder's
+  // products end (below).
+  const ChunkStream mulv_stream{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
+                                smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
+  static_assert(kRingM >= 2 * kHPlane && kRingM + kStages * chunk_floats(2 * kLp) <= kXs,
+                "mu|logvar's ring clear of h and of the x chunks");
   {
     const ChunkStream st{w.enc, chunk_floats(kH), w.enc_chunks, nullptr, 0, 0, smem, chunk_floats(kH), kStages, 0};
     st.prologue(bars);
@@ -1139,7 +1145,9 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
           }
         });
     // Every chunk has been consumed (the last release's barrier): h may
-    // overwrite the ring.
+    // overwrite the ring, and phase 2's first chunks (their ring above h)
+    // travel while h is stored.
+    mulv_stream.prologue(bars);
     store_hidden(hacc, a.b_enc);
   }
 
@@ -1156,9 +1164,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   static_assert(kRingD2 + chunk_floats(kPass) <= kMs && chunk_floats(kH) <= kHPlane,
                 "decoder 1's chunk and decoder 2's first stage clear of ms and z");
   {
-    const ChunkStream st{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
-                         smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
-    st.prologue(bars);
+    const ChunkStream& st = mulv_stream;
     // macc[i]: row rb + 8 ((i / 2) % 2), column lb + 8 (i / 4) + i % 2
     // (for_each_pair's layout).  Warpgroup 0's global loads for the z / KL
     // epilogue (eps, b_mu) are issued before the products, so their latency
