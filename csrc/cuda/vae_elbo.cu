@@ -1024,23 +1024,31 @@ constexpr int kMsLd = kLp + 1;
 // Shared memory, in floats, phase by phase (every phase ends with a block
 // barrier, after which its regions are free):
 //   encoder   ring of 3 x 64 KB weight chunks at 0, two x chunks at kXs
-//   mu|logvar h at 0 (both planes), ring of 3 x 16 KB at kRingM, logvar
-//             handed from warpgroup 1 to 0 at kMs, z at kZ
+//   mu|logvar h at 0 (both planes), ring of 3 x 32 KB at kRingM (over the
+//             x chunks; two 16 KB K chunks to a stage), then, its products
+//             done, logvar handed from warpgroup 1 to 0 at kMs and z at kZ
+//             (inside that ring, above decoder 2's first stage)
 //   decoder 1 its one weight chunk (L <= 32) at 0, z; g written over h
 //   decoder 2 g at 0, ring of 3 x 32 KB at kRingD2
-//   (decoder 1's chunk and decoder 2's first are issued as soon as the
-//   mu|logvar products are done: they land below ms and z)
+// Each phase's first weight chunks are issued as soon as their stages are
+// free: mu|logvar's when the encoder's products end, decoder 1's chunk and
+// decoder 2's first when the mu|logvar products end.
 //   all       BCE partial sums, KL row sums, the stages' mbarriers at kMisc
 constexpr int kXs = kStages * chunk_floats(kH);
 constexpr int kRingM = 2 * kHPlane;
-constexpr int kMs = kRingM + kStages * chunk_floats(2 * kLp);
+constexpr int kSubM = 2;                                // mu|logvar K chunks per ring chunk
+constexpr int kStageM = kSubM * chunk_floats(2 * kLp);  // 32 KB
+constexpr int kMs = kRingM + chunk_floats(kPass);       // above decoder 2's first stage
 constexpr int kZ = kMs + (kRowsWg * kMsLd + 3) / 4 * 4;  // 16-byte aligned
 constexpr int kRingD2 = 2 * kHPlane;
 constexpr int kMisc = kXs + 2 * kXChunk;
 constexpr int kWpart = kMisc, kKlrow = kWpart + 2 * kRowsWg, kBars = kKlrow + kRowsWg;
 constexpr size_t kSmemBytes = sizeof(float) * kBars + kStages * sizeof(uint64_t);
 static_assert(kZ + 2 * kZPlane <= kMisc && kRingD2 + kStages * chunk_floats(kPass) <= kMisc, "phase regions");
-static_assert(kRingM + kStages * chunk_floats(2 * kLp) <= kMs, "ring below the logvar hand-over");
+static_assert(kRingM >= 2 * kHPlane && kRingM + kStages * kStageM <= kMisc && kDecChunks % kSubM == 0,
+              "mu|logvar's ring between h and the misc region");
+static_assert(kRingD2 + chunk_floats(kPass) <= kMs && chunk_floats(kH) <= kHPlane,
+              "decoder 1's chunk and decoder 2's first stage clear of ms and z");
 static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
 
 // The weights packed by cuda::wgs::pack_core: encoder, mu|logvar, decoder 1,
@@ -1085,10 +1093,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   float hacc[kH / 4];  // this warpgroup's 128 columns
   // Phase 2's weight stream: its first chunks are issued when the encoder's
   // products end (below).
-  const ChunkStream mulv_stream{w.mulv, chunk_floats(2 * kLp), kDecChunks, nullptr, 0, 0,
-                                smem + kRingM, chunk_floats(2 * kLp), kStages, w.enc_chunks};
-  static_assert(kRingM >= 2 * kHPlane && kRingM + kStages * chunk_floats(2 * kLp) <= kXs,
-                "mu|logvar's ring clear of h and of the x chunks");
+  const ChunkStream mulv_stream{w.mulv, kStageM, kDecChunks / kSubM, nullptr, 0, 0,
+                                smem + kRingM, kStageM, kStages, w.enc_chunks};
   {
     const ChunkStream st{w.enc, chunk_floats(kH), w.enc_chunks, nullptr, 0, 0, smem, chunk_floats(kH), kStages, 0};
     st.prologue(bars);
@@ -1145,8 +1151,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
           }
         });
     // Every chunk has been consumed (the last release's barrier): h may
-    // overwrite the ring, and phase 2's first chunks (their ring above h)
-    // travel while h is stored.
+    // overwrite the ring, and phase 2's first chunks (their ring above h,
+    // over the x chunks) travel while h is stored.
     mulv_stream.prologue(bars);
     store_hidden(hacc, a.b_enc);
   }
@@ -1157,12 +1163,11 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   // The decoder's weight streams (phases 3 and 4), whose first chunks are
   // issued at the end of phase 2's products (below).
   const ChunkStream d1_stream{w.d1, chunk_floats(kH), 1, nullptr, 0, 0, smem, chunk_floats(kH), 1,
-                              w.enc_chunks + kDecChunks};
+                              w.enc_chunks + kDecChunks / kSubM};
   const ChunkStream d2_stream{w.d2, chunk_floats(kPass), w.full_passes * kDecChunks,
                               w.d2_tail, chunk_floats(kPass), w.tail_passes,
-                              smem + kRingD2, chunk_floats(kPass), kStages, w.enc_chunks + kDecChunks + 1};
-  static_assert(kRingD2 + chunk_floats(kPass) <= kMs && chunk_floats(kH) <= kHPlane,
-                "decoder 1's chunk and decoder 2's first stage clear of ms and z");
+                              smem + kRingD2, chunk_floats(kPass), kStages,
+                              w.enc_chunks + kDecChunks / kSubM + 1};
   {
     const ChunkStream& st = mulv_stream;
     // macc[i]: row rb + 8 ((i / 2) % 2), column lb + 8 (i / 4) + i % 2
@@ -1182,14 +1187,14 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     }
     float macc[kLp / 2];
     zero(macc);
-    add_chunks<kLp>(macc, st, 0, st.total(), smem, kHPlane, bars);
+    add_chunks<kLp, kSubM>(macc, st, 0, kDecChunks, smem, kHPlane, bars);
     // h and this phase's ring are free now (add_chunks' last release is a
     // block barrier after every warpgroup's products), so decoder 1's chunk
     // (over h's big plane) and decoder 2's first (its ring's stage 0, below
     // ms and z) travel during the z / KL epilogue instead of after it.
-    // Their mbarriers' previous phases were this phase's chunks 5 and 6,
-    // consumed; decoder 2's chunks 1 and 2 wait for phase 4 (stage 1 holds
-    // ms, and chunk 2's mbarrier is decoder 1's).
+    // Their mbarriers' previous phases were this phase's ring chunks 1 and
+    // 2, consumed; decoder 2's chunks 1 and 2 wait for phase 4 (stage 1
+    // holds ms and z, and chunk 2's mbarrier is decoder 1's).
     if (tid == 0) {
       d1_stream.issue(0, bars);
       d2_stream.issue(0, bars);
