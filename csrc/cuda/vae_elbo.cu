@@ -104,11 +104,37 @@ __device__ __forceinline__ void store_losses(const Args<T>& a, Row row, T recon,
   a.elbo[row] = -(recon + kl);
 }
 
-// One BCE term of PyTorch's binary_cross_entropy for the logit a and target x.
+// One BCE term of PyTorch's binary_cross_entropy for the logit a and target
+// x, p = 1 / (1 + exp(-a)) rounded in T: the reference's formula verbatim
+// (float64; float32 below).
 template <typename T>
 __device__ __forceinline__ T bce_term(T a, T x) {
   const T p = T(1) / (T(1) + exp(-a));
   return (x - T(1)) * clamp_log(T(log1p(-p))) - x * clamp_log(T(log(p)));
+}
+
+// float32: the same value from one exp and one log1p.  The verbatim form
+// (exp, an IEEE division with its slow-path branch, log1p and log: ~100
+// SASS instructions and three branch regions per term) was most of the
+// decoder epilogue, the largest stall region of the wgmma kernel (ncu,
+// fourteenth session's run 1), and its branches kept the compiler from
+// interleaving independent terms.  With s = log1p(exp(-|a|)),
+//   log(p) = -(max(-a, 0) + s),   log(1 - p) = -(max(a, 0) + s)
+// exactly; they differ from the logs of the rounded p only by p's rounding,
+// except where float32 p saturates, which is reproduced: p == 1 exactly when
+// 1 + exp(-a) rounds to 1 (a > ~16.6; then log(1 - p) is -inf, clamped to
+// -100), p == 0 exactly when exp(-a) overflows (a < -88.72...; log(p)
+// clamped to -100).  Between, the reference's log(1 - p) of a p rounded near
+// 1 can be up to ~0.6 from the exact value this gives (a float64 reference's).
+template <>
+__device__ __forceinline__ float bce_term(float a, float x) {
+  constexpr float kExpOverflow = 88.72283935546875f;  // the least float whose expf is inf
+  const float e = expf(-fabsf(a));
+  const float u = 1.0f + e;
+  const float s = log1pf(e);
+  const float log_1mp = (a > 0.0f && u == 1.0f) ? -100.0f : -(fmaxf(a, 0.0f) + s);
+  const float log_p = -a >= kExpOverflow ? -100.0f : -(fmaxf(-a, 0.0f) + s);
+  return (x - 1.0f) * clamp_log(log_1mp) - x * clamp_log(log_p);
 }
 
 template <typename T>
@@ -750,7 +776,9 @@ __device__ __forceinline__ void decoder_pass(float (&rsum)[2 * kMT], const Args<
   mma_rows64<NT>(acc, gs, w, tile0, w.ksteps);
   // Row r = 16 mt + g + 8 j (g = lane / 4 < 8) lands in rsum[2 mt + j] = rsum[r / 8].
   for_each_acc(acc, tile0 * 8, [&](int r, int n, float v) {
-    if (n < a.I && r < rows) rsum[r / 8] += bce_term(v + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
+    const bool in = n < a.I && r < rows;
+    const float t = bce_term(v + (in ? __ldg(a.b_d2 + n) : 0.0f), in ? __ldg(a.x + size_t(row0 + r) * a.I + n) : 0.0f);
+    rsum[r / 8] += in ? t : 0.0f;  // a select, not a branch: the terms interleave
   });
 }
 
@@ -1279,7 +1307,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
 #pragma unroll
       for (int i = 0; i < NP / 4; ++i) {
         const int r = r0 + 8 * ((i / 2) % 2), n = n0 + 8 * (i / 4) + i % 2;
-        if (r < rows && n < I) rsum[(i / 2) % 2] += bce_term(dacc[i] + bias[i / 4 * 2 + i % 2], xin[i]);
+        const float t = bce_term(dacc[i] + bias[i / 4 * 2 + i % 2], xin[i]);
+        rsum[(i / 2) % 2] += (r < rows && n < I) ? t : 0.0f;  // a select: the terms interleave
       }
     };
     for (int p = 0; p < w.full_passes; ++p) decoder_pass(std::integral_constant<int, kPass>{}, p * kPass);
