@@ -62,6 +62,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "common/bce.h"
 #include "cuda/mbarrier.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
@@ -89,11 +90,6 @@ struct Args {
   T *elbo, *recon, *kl;
 };
 
-template <typename T>
-__device__ __forceinline__ T clamp_log(T v) {
-  return v < T(-100) ? T(-100) : v;  // NaN stays NaN, like std::max(NaN, -100)
-}
-
 // A row's three outputs from its BCE sum and its sum of KL terms
 // (kl = -0.5 * sum), as every kernel writes them.
 template <typename T, typename Row>
@@ -102,39 +98,6 @@ __device__ __forceinline__ void store_losses(const Args<T>& a, Row row, T recon,
   a.recon[row] = recon;
   a.kl[row] = kl;
   a.elbo[row] = -(recon + kl);
-}
-
-// One BCE term of PyTorch's binary_cross_entropy for the logit a and target
-// x, p = 1 / (1 + exp(-a)) rounded in T: the reference's formula verbatim
-// (float64; float32 below).
-template <typename T>
-__device__ __forceinline__ T bce_term(T a, T x) {
-  const T p = T(1) / (T(1) + exp(-a));
-  return (x - T(1)) * clamp_log(T(log1p(-p))) - x * clamp_log(T(log(p)));
-}
-
-// float32: the same value from one exp and one log1p.  The verbatim form
-// (exp, an IEEE division with its slow-path branch, log1p and log: ~100
-// SASS instructions and three branch regions per term) was most of the
-// decoder epilogue, the largest stall region of the wgmma kernel (ncu,
-// fourteenth session's run 1), and its branches kept the compiler from
-// interleaving independent terms.  With s = log1p(exp(-|a|)),
-//   log(p) = -(max(-a, 0) + s),   log(1 - p) = -(max(a, 0) + s)
-// exactly; they differ from the logs of the rounded p only by p's rounding,
-// except where float32 p saturates, which is reproduced: p == 1 exactly when
-// 1 + exp(-a) rounds to 1 (a > ~16.6; then log(1 - p) is -inf, clamped to
-// -100), p == 0 exactly when exp(-a) overflows (a < -88.72...; log(p)
-// clamped to -100).  Between, the reference's log(1 - p) of a p rounded near
-// 1 can be up to ~0.6 from the exact value this gives (a float64 reference's).
-template <>
-__device__ __forceinline__ float bce_term(float a, float x) {
-  constexpr float kExpOverflow = 88.72283935546875f;  // the least float whose expf is inf
-  const float e = expf(-fabsf(a));
-  const float u = 1.0f + e;
-  const float s = log1pf(e);
-  const float log_1mp = (a > 0.0f && u == 1.0f) ? -100.0f : -(fmaxf(a, 0.0f) + s);
-  const float log_p = -a >= kExpOverflow ? -100.0f : -(fmaxf(-a, 0.0f) + s);
-  return (x - 1.0f) * clamp_log(log_1mp) - x * clamp_log(log_p);
 }
 
 template <typename T>
