@@ -39,7 +39,13 @@ template <>
 C10_HOST_DEVICE inline float bce_term(float a, float x) {
   const float e = std::exp(-std::fabs(a));
   const float u = 1.0f + e;
+#if defined(__CUDA_ARCH__)
+  // log1p(e) as log(u) plus the part of e that u lost to rounding (exact)
+  // over u: the GPU's logf has no branch, its log1pf has one.
+  const float s = logf(u) + __fdividef(e - (u - 1.0f), u);
+#else
   const float s = std::log1p(e);
+#endif
   const float log_1mp = (a > 0.0f && u == 1.0f) ? -100.0f : -((a > 0.0f ? a : 0.0f) + s);
   const float log_p = -a >= kExpOverflow ? -100.0f : -((a < 0.0f ? -a : 0.0f) + s);
   return (x - 1.0f) * clamp_log(log_1mp) - x * clamp_log(log_p);
