@@ -738,10 +738,10 @@ __device__ __forceinline__ void decoder_pass(float (&rsum)[2 * kMT], const Args<
   zero_acc(acc);
   mma_rows64<NT>(acc, gs, w, tile0, w.ksteps);
   // Row r = 16 mt + g + 8 j (g = lane / 4 < 8) lands in rsum[2 mt + j] = rsum[r / 8].
+  // A branch, not a select as in the wgmma kernel: with selects ptxas
+  // hoisted all 64 terms' x and bias loads and spilled (176 bytes, sm_80).
   for_each_acc(acc, tile0 * 8, [&](int r, int n, float v) {
-    const bool in = n < a.I && r < rows;
-    const float t = bce_term(v + (in ? __ldg(a.b_d2 + n) : 0.0f), in ? __ldg(a.x + size_t(row0 + r) * a.I + n) : 0.0f);
-    rsum[r / 8] += in ? t : 0.0f;  // a select, not a branch: the terms interleave
+    if (n < a.I && r < rows) rsum[r / 8] += bce_term(v + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
   });
 }
 
