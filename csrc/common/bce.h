@@ -22,18 +22,22 @@ C10_HOST_DEVICE inline T bce_term(T a, T x) {
   return (x - T(1)) * clamp_log(T(std::log1p(-p))) - x * clamp_log(T(std::log(p)));
 }
 
-// float32: the same value from one exp and one log1p.  The verbatim form
-// costs exp, an IEEE division, log1p and log (on the GPU ~100 instructions
-// and three branch regions per term, the largest part of the VAE kernels'
-// decoder epilogue).  With s = log1p(exp(-|a|)),
+// float32: the same value from one exp and one log, plus a reciprocal and a
+// hardware log2 for a > 4 (on the GPU: ~70 instructions and no branch per
+// term instead of ~100 and three branch regions; the verbatim form's IEEE division and second log were most of
+// the VAE kernels' decoder epilogue).  With s = log1p(exp(-|a|)),
 //   log(p) = -(max(-a, 0) + s),   log(1 - p) = -(max(a, 0) + s)
-// exactly.  Float32 p's saturation is reproduced: p == 1 exactly when
-// 1 + exp(-a) rounds to 1 (a > 24 ln 2 ~ 16.64: log(1 - p) = -inf, clamped
-// to -100), p == 0 exactly when exp(-a) overflows (a < -88.72...: log(p)
-// clamped).  Elsewhere this gives the logs of the exact p, as a float64
-// reference does; the verbatim float32 form's log(1 - p) of a p rounded next
-// to 1 can be up to ~0.6 off (a ~ 16.5).  NaN in a gives NaN.
+// exactly, and they differ from the logs of the float32-rounded p by p's
+// rounding alone.  That is negligible except in log(1 - p) for a large a:
+// 1 - p rounded is off by up to 2^-25 / (1 - p) relative, ~2e-6 at a = 4 and
+// ~0.6 at a = 16.5, and the reference is the float32 formula.  So for a > 4,
+// log(1 - p) is taken, as the reference takes it, of 1 - p with p = 1 / (1 +
+// exp(-a)) rounded; that also reproduces p == 1 exactly once 1 + exp(-a)
+// rounds to 1 (a > 24 ln 2 ~ 16.64: log 0 = -inf, clamped to -100).  p == 0
+// exactly (exp(-a) overflows, a < -88.72...: log(p) clamped) is reproduced
+// by its threshold.  NaN in a gives NaN.
 constexpr float kExpOverflow = 88.72283935546875f;  // the least float whose exp is inf
+constexpr float kRoundedPAbove = 4.0f;
 
 template <>
 C10_HOST_DEVICE inline float bce_term(float a, float x) {
@@ -41,12 +45,19 @@ C10_HOST_DEVICE inline float bce_term(float a, float x) {
   const float u = 1.0f + e;
 #if defined(__CUDA_ARCH__)
   // log1p(e) as log(u) plus the part of e that u lost to rounding (exact)
-  // over u: the GPU's logf has no branch, its log1pf has one.
+  // over u: logf's code has no branch, log1pf's has one.  p = 1 / u rounded
+  // to nearest as the reference's division rounds it: rcp.approx and one
+  // Newton step, the fast path of CUDA's IEEE reciprocal (exact for u in
+  // [1, 2]) without its branch to the slow path.  __logf: within 3 ulp of
+  // log(1 - p) <= -4.
   const float s = logf(u) + __fdividef(e - (u - 1.0f), u);
+  const float r = __fdividef(1.0f, u);
+  const float log_1mp_rounded = __logf(1.0f - fmaf(r, fmaf(-u, r, 1.0f), r));
 #else
   const float s = std::log1p(e);
+  const float log_1mp_rounded = std::log(1.0f - 1.0f / u);
 #endif
-  const float log_1mp = (a > 0.0f && u == 1.0f) ? -100.0f : -((a > 0.0f ? a : 0.0f) + s);
+  const float log_1mp = a > kRoundedPAbove ? log_1mp_rounded : -((a > 0.0f ? a : 0.0f) + s);
   const float log_p = -a >= kExpOverflow ? -100.0f : -((a < 0.0f ? -a : 0.0f) + s);
   return (x - 1.0f) * clamp_log(log_1mp) - x * clamp_log(log_p);
 }
