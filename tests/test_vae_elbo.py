@@ -256,12 +256,14 @@ def test_bce_at_float32_saturation(B, H, saturated, device):
 
 # B=4 takes the cluster path on CUDA, B=2048 the tiled one (H % 8 == 0) or,
 # at H = 256 on an sm_90a build, the wgmma one, whose splits of x into TF32
-# parts must keep the NaN.
+# parts must keep the NaN.  I = 32 puts all NaN logits of a row through
+# the CPU kernel's SIMD BCE loop (I = 9 mostly through its scalar tail).
+@pytest.mark.parametrize("I", [9, 32])
 @pytest.mark.parametrize("B,H", [(4, 5), (2048, 8), (2048, 256)], ids=["B4", "B2048-tiled", "B2048-wgmma"])
-def test_nan_propagates(B, H, device):
+def test_nan_propagates(B, H, I, device):
     # The reference refuses NaN probabilities (BCE's range check), so the rows
     # without NaN are compared with it and the NaN rows checked by hand.
-    args = make_inputs(B, 9, H, 2, device=device)
+    args = make_inputs(B, I, H, 2, device=device)
     args[0][1, 3] = float("nan")  # a target (and through h everything) of row 1
     args[1][2, 0] = float("nan")  # eps of row 2: z, so recon and elbo, not kl
     elbo, recon, kl = fused(*args)
