@@ -414,6 +414,10 @@ def vae_elbo(
 
     The clamp at -100 is PyTorch's ``binary_cross_entropy``'s: once the logit
     passes ~17, ``p`` rounds to exactly 1.0 in float32 and the clamp applies.
+    In float32 each term is computed from one exp and one log (the logs of
+    ``p`` and ``1 - p`` as softplus terms) with float32 ``p``'s saturation,
+    and above a logit of 4 its rounding in ``log1p(-p)``, kept
+    (``csrc/common/bce.h``).
 
     Returns ``(elbo [B], recon [B], kl [B])``.  Neither the hidden activations
     nor the reconstruction are materialised.  Results are bitwise reproducible

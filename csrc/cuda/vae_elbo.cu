@@ -45,7 +45,9 @@
 //
 // Numerics follow PyTorch: p = 1 / (1 + exp(-a)) with accurate expf (the
 // build uses no fast math) and BCE = (x - 1) * max(log1p(-p), -100)
-// - x * max(log(p), -100), the clamp PyTorch's binary_cross_entropy applies.
+// - x * max(log(p), -100), the clamp PyTorch's binary_cross_entropy applies;
+// each term from one exp and one log (common/bce.h says how float32 p's
+// saturation and rounding are kept).
 
 #include <cooperative_groups.h>
 #include <torch/csrc/stable/accelerator.h>
@@ -1249,6 +1251,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     // for_each_pair's order: loaded next to each term, every load's L2
     // latency stalled the warp (the branches inside each term's exp / log
     // kept the compiler from hoisting them; ncu, twelfth session's run 2).
+    // The terms are branch-free (common/bce.h) and masked by a select, so
+    // the compiler interleaves them (128.5 -> 112 us for the kernel).
     int q = 0;
     auto decoder_pass = [&](auto np, int n0) {
       constexpr int NP = decltype(np)::value;
