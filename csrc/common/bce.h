@@ -23,9 +23,10 @@ C10_HOST_DEVICE inline T bce_term(T a, T x) {
 }
 
 // float32: the same value from one exp and one log, plus a reciprocal and a
-// hardware log2 for a > 4 (on the GPU: ~70 instructions and no branch per
-// term instead of ~100 and three branch regions; the verbatim form's IEEE division and second log were most of
-// the VAE kernels' decoder epilogue).  With s = log1p(exp(-|a|)),
+// hardware log2 for a > 4.  On the GPU that is ~70 instructions and no branch
+// per term instead of ~100 and three branch regions: the verbatim form's IEEE
+// division and second log were most of the VAE kernels' decoder epilogue.
+// With s = log1p(exp(-|a|)),
 //   log(p) = -(max(-a, 0) + s),   log(1 - p) = -(max(a, 0) + s)
 // exactly, and they differ from the logs of the float32-rounded p by p's
 // rounding alone.  That is negligible except in log(1 - p) for a large a:

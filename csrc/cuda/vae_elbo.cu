@@ -1023,10 +1023,10 @@ constexpr int kMsLd = kLp + 1;
 //             (inside that ring, above decoder 2's first stage)
 //   decoder 1 its one weight chunk (L <= 32) at 0, z; g written over h
 //   decoder 2 g at 0, ring of 3 x 32 KB at kRingD2
+//   all       BCE partial sums, KL row sums, the stages' mbarriers at kMisc
 // Each phase's first weight chunks are issued as soon as their stages are
 // free: mu|logvar's when the encoder's products end, decoder 1's chunk and
 // decoder 2's first when the mu|logvar products end.
-//   all       BCE partial sums, KL row sums, the stages' mbarriers at kMisc
 constexpr int kXs = kStages * chunk_floats(kH);
 constexpr int kRingM = 2 * kHPlane;
 constexpr int kSubM = 2;                                // mu|logvar K chunks per ring chunk
