@@ -1399,15 +1399,11 @@ static_assert(kSub3 * chunk_floats(kNp3) == kStage && kChunks23 % (2 * kSub3) ==
 constexpr int64_t kPackedPerRank = int64_t(kChunks1 + kChunks23) * kStage + int64_t(kChunks23) * chunk_floats(kNp3);
 
 #if defined(FUSED_OPS_WGMMA)
-// The 8 (row, column) positions of this thread's x values: its warpgroup's
-// 16 columns of the layer-3 accumulator (m64n32, a quarter of x's columns
-// per warpgroup): index 4 j + 2 h + e is row g + 8 h, column
-// col0 + 8 j + 2 t + e of the CTA's half.
-__device__ __forceinline__ int acc3_row(int i) {
-  return 16 * (int(threadIdx.x) / 32 % 4) + (int(threadIdx.x) % 32) / 4 + 8 * ((i / 2) % 2);
-}
+// The column of this thread's x value i: its warpgroup's 16 columns of the
+// layer-3 accumulator (m64n32, a quarter of x's columns per warpgroup),
+// acc_col(i) of them; its row is acc_row(i) (cuda/wgmma_stream.cuh).
 __device__ __forceinline__ int acc3_col(int i, int rank) {
-  return rank * kNp3 + (int(threadIdx.x) / 128) * (kNp3 / 2) + 8 * (i / 4) + 2 * (int(threadIdx.x) % 4) + i % 2;
+  return rank * kNp3 + (int(threadIdx.x) / 128) * (kNp3 / 2) + cuda::wgs::acc_col(i);
 }
 #endif
 
@@ -1452,7 +1448,7 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
   float xm[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = acc3_row(i);
+    const int r = wgs::acc_row(i);
     xm[i] = r < rows ? p.x0[int64_t(row0 + r) * kD + acc3_col(i, rank)] : 0.0f;
   }
   for (int idx = tid; idx < kRowsW * kD / 2; idx += kThreadsW) {
@@ -1555,14 +1551,14 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
       }
       cuda::cluster_wait();
 #pragma unroll
-      for (int i = 0; i < 8; i += 2) store_both(acc3_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
+      for (int i = 0; i < 8; i += 2) store_both(wgs::acc_row(i), acc3_col(i, rank), xm[i], xm[i + 1]);
       publish_own();
     }
   }
   if (exchanges > 0) partner_half();  // the last x half: landed before the barriers are invalidated
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = acc3_row(i);
+    const int r = wgs::acc_row(i);
     if (r < rows) p.x[int64_t(row0 + r) * kD + acc3_col(i, rank)] = xm[i];
   }
   // Neither CTA exits while its stores into the other may be in flight.

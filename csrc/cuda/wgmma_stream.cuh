@@ -311,6 +311,15 @@ __device__ __forceinline__ void add_chunks(float (&sum)[N / 2], const ChunkStrea
       sum, st, q, count, [a](int c) { return a + c * (kS * kBlock); }, a_plane, bars, [](int) {}, [](int) {});
 }
 
+// The row and column, within its warpgroup's 64 x N tile, of a thread's
+// accumulator acc[i]: tile i / 4, row g + 8 ((i / 2) % 2) of its warp (g =
+// lane / 4), column 2 (lane % 4) + i % 2 of the tile.  for_each_pair and
+// map_columns walk the same layout.
+__device__ __forceinline__ int acc_row(int i) {
+  return 16 * (int(threadIdx.x) / 32 % 4) + int(threadIdx.x) % kWarpSize / 4 + 8 * ((i / 2) % 2);
+}
+__device__ __forceinline__ int acc_col(int i) { return 8 * (i / 4) + 2 * (int(threadIdx.x) % 4) + i % 2; }
+
 // Calls f(row, h, col, v0, v1) for the column pairs (col, col + 1) of this
 // thread's accumulators: tile j, rows g + 8 h (h = 0, 1) of its warp.
 template <int N, typename F>
@@ -328,9 +337,8 @@ __device__ __forceinline__ void for_each_pair(const float (&acc)[N / 2], F f) {
 // for_each_pair), in place.
 template <int N, typename F>
 __device__ __forceinline__ void map_columns(float (&acc)[N / 2], F f) {
-  const int c = 2 * (int(threadIdx.x) % 4);
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] = f(8 * (i / 4) + c + i % 2, acc[i]);
+  for (int i = 0; i < N / 2; ++i) acc[i] = f(acc_col(i), acc[i]);
 }
 
 // The pair (v0, v1) at (r, k), k even, of a 64-row A operand, split: its
