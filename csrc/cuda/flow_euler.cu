@@ -1473,9 +1473,10 @@ __global__ void __launch_bounds__(kThreadsW, 1) flow_wgmma_kernel(const FlowPara
     __syncthreads();
   };
   // Exchange e = 0, 1, ..., 3 num_steps - 1 (peer_bytes) is phase e of
-  // xbar, complete when the partner's half of that output has landed here.  partner_half waits for the next
-  // one (acquire at cluster scope), makes the bytes visible to this
-  // thread's tensor-core reads and arms the phase after it.
+  // xbar, complete when the partner's half of that output has landed here.
+  // partner_half waits for the next one (acquire at cluster scope), makes
+  // the bytes visible to this thread's tensor-core reads and arms the phase
+  // after it.
   const int exchanges = 3 * p.num_steps;
   int xe = 0;
   auto partner_half = [&] {
