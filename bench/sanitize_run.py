@@ -90,7 +90,8 @@ def run_flow():
 # (csrc/cuda/vae_elbo.cu documents the rule).  Small batches where possible:
 # the sanitizer slows kernels down by orders of magnitude.
 VAE_CASES = [
-    (128, 784, 256, 32, torch.float32),  # cluster, float4 weight reads (the default size)
+    (128, 784, 256, 32, torch.float32),  # cluster, float4 weight reads, 8-CTA clusters (the default size)
+    (16, 784, 256, 32, torch.float32),  # cluster, one 16-CTA cluster
     (37, 1000, 130, 17, torch.float32),  # cluster, scalar reads, partial row tile
     (5, 5, 7, 3, torch.float32),  # cluster, slices smaller than the cluster (empty CTAs)
     (2053, 784, 256, 32, torch.float32),  # wgmma (sm_90a build), partial last tile

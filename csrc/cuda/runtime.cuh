@@ -120,15 +120,17 @@ struct ClusterLaunch {
   ClusterLaunch& operator=(const ClusterLaunch&) = delete;
 };
 
-// Whether at least one cluster of `cluster` blocks of `kernel` (with `smem`
-// bytes of dynamic shared memory each) can be resident on the current
-// device.  Clusters above 8 blocks are "non-portable" and need an opt-in;
-// whether 16 fit depends on the GPU's SM partitioning, so ask the occupancy
-// API.  Cached: the query costs about as much as a launch.
+// How many clusters of `cluster` blocks of `kernel` (with `smem` bytes of
+// dynamic shared memory each) can be resident at once on the current
+// device; 0 when none can.  Clusters above 8 blocks are "non-portable" and
+// need an opt-in; how many fit depends on the GPU's SM partitioning into
+// GPCs (an H200 holds seven 16-block clusters of one block per SM, not the
+// eight its 132 SMs suggest), so ask the occupancy API.  Cached: the query
+// costs about as much as a launch.
 template <typename Kernel>
-bool cluster_fits(Kernel kernel, int cluster, int threads, size_t smem) {
+int max_active_clusters(Kernel kernel, int cluster, int threads, size_t smem) {
   static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, size_t, int>, bool> cache;
+  static std::map<std::tuple<const void*, int, int, size_t, int>, int> cache;
   const int device = current_device();
   const auto key =
       std::make_tuple(reinterpret_cast<const void*>(kernel), cluster, threads, smem, device);
@@ -146,18 +148,23 @@ bool cluster_fits(Kernel kernel, int cluster, int threads, size_t smem) {
       ok = false;
     }
   }
+  int clusters = 0;
   if (ok) {
     const ClusterLaunch launch(cluster, cluster, threads, smem, nullptr);
-    int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.cfg) != cudaSuccess) {
       (void)cudaGetLastError();  // an unsupported size is an answer, not an error
       clusters = 0;
     }
-    ok = clusters >= 1;
   }
   std::lock_guard<std::mutex> lock(mutex);
-  cache.emplace(key, ok);
-  return ok;
+  cache.emplace(key, clusters);
+  return clusters;
+}
+
+// Whether at least one such cluster can be resident (the launch can run).
+template <typename Kernel>
+bool cluster_fits(Kernel kernel, int cluster, int threads, size_t smem) {
+  return max_active_clusters(kernel, cluster, threads, smem) >= 1;
 }
 
 }  // namespace cuda

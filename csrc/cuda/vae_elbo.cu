@@ -6,8 +6,9 @@
 //          path does not apply) and a 16-row tile's activations fit in shared
 //          memory (kRows * (I + 2H + 3L) floats plus scratch <= kMaxClusterSmem;
 //          784-256-32 needs ~94 KB, two CTAs per SM).  ONE launch.  Each
-//          thread-block cluster (16 CTAs where the GPU allows the
-//          non-portable size, else 8) owns kRows samples; every layer is
+//          thread-block cluster owns kRows samples (16 CTAs when every
+//          tile's cluster can have SMs of its own -- B <= 112 on an H200 --
+//          else 8: cluster_size_for says why); every layer is
 //          split across the cluster's CTAs by neurons, and each CTA pushes
 //          its slice of the activations the next layer needs in full (h, z,
 //          the decoder hidden layer) into the other CTAs' shared memory
@@ -885,13 +886,25 @@ __global__ void __launch_bounds__(kThreads, 1) vae_elbo_tiled_kernel(const Args<
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The cluster size for `kernel` with `smem` bytes per block on the current
-// device: 16 where the GPU schedules it, else 8, else 0 (path unusable).
-int cluster_size_for(void (*kernel)(const Args<float>), size_t smem) {
-  for (int size : {16, 8}) {
-    if (cuda::cluster_fits(kernel, size, kThreads, smem)) return size;
+// The cluster size for `kernel` with `smem` bytes per block and `tiles`
+// row tiles on the current device: 16 (each CTA then holds half the weight
+// slices it holds at 8) when every tile's cluster can have SMs of its own,
+// else 8; 0 if neither fits.  A 16-CTA cluster takes most of a GPC, and
+// the GPU has only so many that can host one with one CTA per SM (an H200:
+// seven, not the eight its 132 SMs suggest); beyond that, two clusters
+// share SMs and run at about half speed.  At B = 128 (eight tiles): 24.1 us
+// per call in 16-CTA clusters, two of them on shared SMs, against 22.1 us
+// in 8-CTA clusters (fifteenth session, run 2: CUDA graph replays, and
+// per-CTA clocks that show the two slow clusters).
+int cluster_size_for(void (*kernel)(const Args<float>), size_t smem, int64_t tiles) {
+  const bool fits8 = cuda::cluster_fits(kernel, 8, kThreads, smem);
+  if (cuda::cluster_fits(kernel, 16, kThreads, smem)) {
+    // Clusters resident at once with one CTA per SM: asked with the most
+    // shared memory a CTA may have, which leaves no room for a second.
+    const int own_sms = cuda::max_active_clusters(kernel, 16, kThreads, cuda::max_shared_memory_per_block());
+    if (tiles <= own_sms || !fits8) return 16;
   }
-  return 0;
+  return fits8 ? 8 : 0;
 }
 
 // Launches the cluster path; false when it does not apply.
@@ -904,9 +917,9 @@ bool launch_cluster(const Args<float>& a) {
                    aligned16(a.w_d1) && aligned16(a.w_d2);
   void (*kernel)(const Args<float>) =
       vec ? vae_elbo_cluster_kernel<true> : vae_elbo_cluster_kernel<false>;
-  const int C = cluster_size_for(kernel, smem);
-  if (C == 0) return false;
   const int64_t tiles = (int64_t(a.B) + kRows - 1) / kRows;
+  const int C = cluster_size_for(kernel, smem, tiles);
+  if (C == 0) return false;
   const cuda::ClusterLaunch launch(tiles * C, C, kThreads, smem,
                                    cuda::current_stream(cuda::current_device()));
   FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, a));
