@@ -92,6 +92,7 @@ def run_flow():
 VAE_CASES = [
     (128, 784, 256, 32, torch.float32),  # cluster, float4 weight reads, 8-CTA clusters (the default size)
     (16, 784, 256, 32, torch.float32),  # cluster, one 16-CTA cluster
+    (300, 64, 128, 8, torch.float32),  # cluster, more tiles than resident clusters (un-pipelined kernel)
     (37, 1000, 130, 17, torch.float32),  # cluster, scalar reads, partial row tile
     (5, 5, 7, 3, torch.float32),  # cluster, slices smaller than the cluster (empty CTAs)
     (2053, 784, 256, 32, torch.float32),  # wgmma (sm_90a build), partial last tile

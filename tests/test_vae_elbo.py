@@ -483,13 +483,14 @@ def test_cpu_cuda_mix(cpu_arg):
 
 CUDA_PATH_CASES = [
     # (B, I, H, L, dtype)                 path on an sm_90 GPU
-    (128, 784, 256, 32, torch.float32),   # cluster: one launch, float4 weight reads, 8-CTA clusters
+    (128, 784, 256, 32, torch.float32),   # cluster: one launch, pipelined float4 weight reads, 8-CTA clusters
     (112, 784, 256, 32, torch.float32),   # cluster: seven row tiles, 16-CTA clusters (H200)
     (1, 784, 256, 32, torch.float32),     # cluster: one partly filled row tile
     (37, 1000, 130, 17, torch.float32),   # cluster: scalar reads (H, L not multiples of 4)
     (300, 5, 7, 3, torch.float32),        # cluster: slices smaller than the cluster, many tiles
     (128, 64, 512, 2, torch.float32),     # cluster: wide hidden layer
     (40, 1024, 512, 8, torch.float32),    # cluster: wide layers, shared memory above 128 KB
+    (1000, 64, 128, 8, torch.float32),    # cluster: more tiles than resident clusters (un-pipelined kernel)
     (8192, 784, 256, 32, torch.float32),  # wgmma (sm_90a build; else tiled): large batch
     (2053, 784, 256, 32, torch.float32),  # wgmma: partial last row tile, one 16-column tail pass
     (2048, 37, 256, 5, torch.float32),    # wgmma: I below one chunk, tail passes only, odd L

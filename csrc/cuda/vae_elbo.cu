@@ -154,14 +154,33 @@ __device__ __forceinline__ void reduce_step(float (&a)[kRows], float (&b)[kRows]
   return keep + __shfl_xor_sync(cuda::kFullMask, send, 1);
 }
 
+// acc[j][r] += the dot product of float4 column k of row r of `in` (row
+// stride K floats) with wv[j].
+__device__ __forceinline__ void fma_column4(float (&acc)[kNB][kRows], const float4 (&wv)[kNB],
+                                            const float* in, int K, int k) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      float s = acc[j][r];
+      s = fmaf(wv[j].x, xv.x, s);
+      s = fmaf(wv[j].y, xv.y, s);
+      s = fmaf(wv[j].z, xv.z, s);
+      acc[j][r] = fmaf(wv[j].w, xv.w, s);
+    }
+  }
+}
+
 // Dot products of the kRows rows of `in` (shared memory, row stride K) with
 // the kNB weight rows row(g + j), j < kNB, over the float4 columns [k0, k1)
 // (VEC; element columns otherwise) split among the lanes, so a warp reads each
 // weight row once, coalesced, and applies it to all rows.  Afterwards lane l
 // holds out[j / 2] = the dot product of row l >> 1 with weight row
 // g + j + (l & 1), for j = 0, 2, ... (rows past `count` read a valid row; the
-// caller drops their results).
-template <bool VEC, typename RowFn>
+// caller drops their results).  PREFETCH (VEC only): software-pipelined,
+// ~230 registers instead of 128 (one CTA per SM).
+template <bool VEC, bool PREFETCH, typename RowFn>
 __device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1, int g, int count,
                                           RowFn row, float (&out)[kNB / 2]) {
   const int lane = threadIdx.x % cuda::kWarpSize;
@@ -173,7 +192,28 @@ __device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1
   const float* w[kNB];
 #pragma unroll
   for (int j = 0; j < kNB; ++j) w[j] = row(min(g + j, count - 1));
-  if constexpr (VEC) {
+  if constexpr (VEC && PREFETCH) {
+    // The next column's weights are requested before this column's
+    // products, so a warp waits for an L2 round trip once per call instead
+    // of once per column: at 784-256-32 the encoder's lanes run 6-7 columns
+    // each, and these loads were its critical path.
+    float4 wv[kNB];
+    int k = k0 + lane;
+    if (k < k1) {
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
+    }
+#pragma unroll 1
+    for (; k < k1; k += cuda::kWarpSize) {
+      const int next = min(k + cuda::kWarpSize, k1 - 1);  // the last column reloads itself: in range
+      float4 wn[kNB];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) wn[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + next);
+      fma_column4(acc, wv, in, K, k);
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) wv[j] = wn[j];
+    }
+  } else if constexpr (VEC) {
     // Not unrolled: unrolling doubles the registers (~250), one CTA per SM
     // instead of two, and a GPC could then hold only one 16-CTA cluster.
 #pragma unroll 1
@@ -181,18 +221,7 @@ __device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1
       float4 wv[kNB];
 #pragma unroll
       for (int j = 0; j < kNB; ++j) wv[j] = __ldg(reinterpret_cast<const float4*>(w[j]) + k);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float4 xv = reinterpret_cast<const float4*>(in + r * K)[k];
-#pragma unroll
-        for (int j = 0; j < kNB; ++j) {
-          float s = acc[j][r];
-          s = fmaf(wv[j].x, xv.x, s);
-          s = fmaf(wv[j].y, xv.y, s);
-          s = fmaf(wv[j].z, xv.z, s);
-          acc[j][r] = fmaf(wv[j].w, xv.w, s);
-        }
-      }
+      fma_column4(acc, wv, in, K, k);
     }
   } else {
 #pragma unroll 2
@@ -216,13 +245,13 @@ __device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1
 // local neurons n < count, handed to epi(r, n, v) by the lane that holds it
 // (lane (r << 1) | (n & 1) of some warp: the decoder's BCE sums rely on it).
 // Warps take kNB neurons at a time over the whole of K.
-template <bool VEC, typename RowFn, typename Epi>
+template <bool VEC, bool PREFETCH, typename RowFn, typename Epi>
 __device__ __forceinline__ void warp_linear(const float* in, int K, int count, RowFn row, Epi epi) {
   const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
   const int kcols = VEC ? K / 4 : K;
   for (int g = warp * kNB; g < count; g += kWarps * kNB) {
     float v[kNB / 2];
-    warp_dots<VEC>(in, K, 0, kcols, g, count, row, v);
+    warp_dots<VEC, PREFETCH>(in, K, 0, kcols, g, count, row, v);
 #pragma unroll
     for (int j = 0; j < kNB; j += 2) {
       const int n = g + j + (lane & 1);
@@ -240,12 +269,12 @@ __device__ __forceinline__ void warp_linear(const float* in, int K, int count, R
 // bitwise reproducible), then epi(r, n, v) runs on any thread.  Contains a
 // block barrier (unless there are kWarps groups or more, when it is
 // warp_linear): every thread of the CTA must call it.
-template <bool VEC, typename RowFn, typename Epi>
+template <bool VEC, bool PREFETCH, typename RowFn, typename Epi>
 __device__ __forceinline__ void split_linear(const float* in, int K, int count, RowFn row, Epi epi,
                                              float* partial) {
   const int groups = (count + kNB - 1) / kNB;
   if (groups >= kWarps) {  // enough neuron groups to keep every warp busy
-    warp_linear<VEC>(in, K, count, row, epi);
+    warp_linear<VEC, PREFETCH>(in, K, count, row, epi);
     return;
   }
   const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
@@ -255,7 +284,7 @@ __device__ __forceinline__ void split_linear(const float* in, int K, int count, 
   if (warp < groups * split) {
     const int g = (warp / split) * kNB, s = warp % split;
     float v[kNB / 2];
-    warp_dots<VEC>(in, K, min(kcols, s * seg), min(kcols, (s + 1) * seg), g, count, row, v);
+    warp_dots<VEC, PREFETCH>(in, K, min(kcols, s * seg), min(kcols, (s + 1) * seg), g, count, row, v);
 #pragma unroll
     for (int j = 0; j < kNB; j += 2) {
       const int n = g + j + (lane & 1);
@@ -339,7 +368,7 @@ __device__ __forceinline__ void push_slice(float* buf, int N, Slice s, int C, in
 }
 #endif
 
-template <bool VEC>
+template <bool VEC, bool PREFETCH>
 __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<float> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) float smem[];
@@ -399,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   __syncthreads();
 
   // 1. h = relu(x W_enc^T + b_enc), this CTA's slice of H, pushed to all.
-  split_linear<VEC>(
+  split_linear<VEC, PREFETCH>(
       xs, I, sh.end - sh.begin, [&](int n) { return a.w_enc + size_t(sh.begin + n) * I; },
       [&](int r, int n, float v) { hs[r * H + sh.begin + n] = relu(v + __ldg(a.b_enc + sh.begin + n)); },
       partial);
@@ -411,7 +440,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   // 2. mu and logvar for this CTA's slice of L (mu rows first, then logvar
   //    rows, as one list of neurons), then z (pushed to all) and the KL terms.
   const int nl = sl.end - sl.begin;
-  split_linear<VEC>(
+  split_linear<VEC, PREFETCH>(
       hs, H, 2 * nl,
       [&](int n) {
         return n < nl ? a.w_mu + size_t(sl.begin + n) * H : a.w_lv + size_t(sl.begin + n - nl) * H;
@@ -443,7 +472,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
 
   // 3. Decoder hidden layer g = relu(z W_dec1^T + b_dec1), this CTA's slice
   //    of H, pushed to all.
-  split_linear<VEC>(
+  split_linear<VEC, PREFETCH>(
       zs, L, sh.end - sh.begin, [&](int n) { return a.w_d1 + size_t(sh.begin + n) * L; },
       [&](int r, int n, float v) { gs[r * H + sh.begin + n] = relu(v + __ldg(a.b_d1 + sh.begin + n)); },
       partial);
@@ -455,7 +484,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   //    Each lane sums the terms of its row (lane >> 1) in a fixed order.
   const Slice si = slice_of(I, C, rank);
   float racc = 0.0f;
-  warp_linear<VEC>(
+  warp_linear<VEC, PREFETCH>(
       gs, H, si.end - si.begin, [&](int n) { return a.w_d2 + size_t(si.begin + n) * H; },
       [&](int r, int n, float v) {
         const int i = si.begin + n;
@@ -916,10 +945,16 @@ bool launch_cluster(const Args<float>& a) {
                    aligned16(a.w_enc) && aligned16(a.w_mu) && aligned16(a.w_lv) &&
                    aligned16(a.w_d1) && aligned16(a.w_d2);
   void (*kernel)(const Args<float>) =
-      vec ? vae_elbo_cluster_kernel<true> : vae_elbo_cluster_kernel<false>;
+      vec ? vae_elbo_cluster_kernel<true, false> : vae_elbo_cluster_kernel<false, false>;
   const int64_t tiles = (int64_t(a.B) + kRows - 1) / kRows;
   const int C = cluster_size_for(kernel, smem, tiles);
   if (C == 0) return false;
+  // The software-pipelined kernel when all clusters are resident at once
+  // with its one CTA per SM (B <= 240 at 784-256-32 on an H200); beyond
+  // that, the two-CTA-per-SM kernel keeps more of them resident.
+  if (vec && tiles <= cuda::max_active_clusters(vae_elbo_cluster_kernel<true, true>, C, kThreads, smem)) {
+    kernel = vae_elbo_cluster_kernel<true, true>;
+  }
   const cuda::ClusterLaunch launch(tiles * C, C, kThreads, smem,
                                    cuda::current_stream(cuda::current_device()));
   FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, a));
