@@ -33,19 +33,34 @@ def _entry(module, table, name):
     return value if value is not None else getattr(module, name)
 
 
-def _child(module, *names):
-    for name in names:
-        module = _entry(module, "_modules", name)
-    return module
+def _submodules(module, paths):
+    """The submodules of ``module`` at ``paths`` (tuples of child names, such
+    as ``("encoder", "0")``), read as :func:`_entry` reads them.  One loop
+    rather than a helper call per name: the VAE's ten weights cost ~2 us less
+    Python per call this way (2-core VM)."""
+    found = []
+    for path in paths:
+        m = module
+        for name in path:
+            child = m._modules.get(name)
+            m = child if child is not None else getattr(m, name)
+        found.append(m)
+    return found
 
 
 def _buffers_of(module, names):
     return [_entry(module, "_buffers", name) for name in names]
 
 
-def _linear_params(*linears):
-    """(weight, bias) of each linear layer, flattened in order."""
-    return [_entry(layer, "_parameters", name) for layer in linears for name in ("weight", "bias")]
+def _linear_params(linears):
+    """(weight, bias) of each linear layer, flattened in order, read as
+    :func:`_entry` reads them."""
+    params = []
+    for layer in linears:
+        table = layer._parameters
+        weight, bias = table.get("weight"), table.get("bias")
+        params += (weight if weight is not None else layer.weight, bias if bias is not None else layer.bias)
+    return params
 
 
 class ImportanceSampler(reference.ImportanceSampler):
@@ -119,8 +134,10 @@ class FlowODE(reference.FlowODE):
     ``float64(float32(1 / num_steps))``; the fused one with the float64 value.)
     """
 
+    _linear_paths = (("velocity", "0"), ("velocity", "2"), ("velocity", "4"))
+
     def forward(self, x0):
-        weights = _linear_params(*(_child(self, "velocity", i) for i in ("0", "2", "4")))
+        weights = _linear_params(_submodules(self, self._linear_paths))
         return ops.flow_euler(x0, *weights, self.num_steps)
 
     def extra_repr(self):
@@ -190,11 +207,10 @@ class VAE(reference.VAE):
     a seeded run equals a seeded run of the reference.
     """
 
+    _linear_paths = (("encoder", "0"), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
+
     def forward(self, x, eps=None):
-        weights = _linear_params(
-            _child(self, "encoder", "0"), _child(self, "fc_mu"), _child(self, "fc_logvar"),
-            _child(self, "decoder", "0"), _child(self, "decoder", "2"),
-        )
+        weights = _linear_params(_submodules(self, self._linear_paths))
         batch_shape = x.shape[:-1]
         if eps is None:
             # The reference calls torch.randn_like(mu) with mu [..., L] of x's dtype and device.

@@ -29,9 +29,19 @@ def _forbid_double_backward(name, reference):
     )
 
 
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", None)
+
+
 def _needs_grad(tensors) -> bool:
-    """Whether autograd must record a call on ``tensors``."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd must record a call on ``tensors``.  Eager calls ask
+    torch's own C++ test (what register_autograd's kernel asks: ~1 us less
+    Python per 12-tensor call than the generator, 2-core VM), which
+    torch.compile cannot trace."""
+    if not torch.is_grad_enabled():
+        return False
+    if _any_requires_grad is not None and not torch.compiler.is_compiling():
+        return _any_requires_grad(*tensors)
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _reject_forward_ad(op, tensors) -> None:
@@ -436,7 +446,7 @@ def vae_elbo(
     supported (RuntimeErrors).
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
-    if x.device.type == "cpu" and _needs_grad(args):
+    if x.is_cpu and _needs_grad(args):
         if not torch.compiler.is_compiling():
             _reject_forward_ad(torch.ops.fused_ops.vae_elbo.default, args)
         elbo, recon, kl, _ = torch.ops.fused_ops.vae_elbo_train.default(*args)
