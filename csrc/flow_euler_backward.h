@@ -162,12 +162,12 @@ int64_t flow_backward_layout(FlowBackwardArgs<T>& a, T* base) {
 // zeroes them).
 template <typename T>
 void set_weight_grads(const FlowEulerBackwardCall& c, FlowBackwardArgs<T>& a) {
-  a.gw1 = c.grad_w1.mutable_data_ptr<T>();
-  a.gb1 = c.grad_b1.mutable_data_ptr<T>();
-  a.gw2 = c.grad_w2.mutable_data_ptr<T>();
-  a.gb2 = c.grad_b2.mutable_data_ptr<T>();
-  a.gw3 = c.grad_w3.mutable_data_ptr<T>();
-  a.gb3 = c.grad_b3.mutable_data_ptr<T>();
+  a.gw1 = mdata<T>(c.grad_w1);
+  a.gb1 = mdata<T>(c.grad_b1);
+  a.gw2 = mdata<T>(c.grad_w2);
+  a.gb2 = mdata<T>(c.grad_b2);
+  a.gw3 = mdata<T>(c.grad_w3);
+  a.gb3 = mdata<T>(c.grad_b3);
 }
 
 // Fills the argument struct of a call whose output tensors exist, allocating
@@ -177,19 +177,19 @@ Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwar
   a.B = c.B, a.D = c.D, a.H = c.H, a.num_steps = c.num_steps, a.P = P;
   a.resident = flow_backward_resident(c.B, c.H, c.num_steps);
   a.slots = a.resident ? c.num_steps : 1;
-  a.grad_x = c.grad_x.const_data_ptr<T>();
-  a.x0 = c.x0.const_data_ptr<T>();
-  a.w1 = c.w1.const_data_ptr<T>();
-  a.b1 = c.b1.const_data_ptr<T>();
-  a.w2 = c.w2.const_data_ptr<T>();
-  a.b2 = c.b2.const_data_ptr<T>();
-  a.w3 = c.w3.const_data_ptr<T>();
-  a.b3 = c.b3.const_data_ptr<T>();
-  a.gx0 = c.grad_x0.mutable_data_ptr<T>();
+  a.grad_x = cdata<T>(c.grad_x);
+  a.x0 = cdata<T>(c.x0);
+  a.w1 = cdata<T>(c.w1);
+  a.b1 = cdata<T>(c.b1);
+  a.w2 = cdata<T>(c.w2);
+  a.b2 = cdata<T>(c.b2);
+  a.w3 = cdata<T>(c.w3);
+  a.b3 = cdata<T>(c.b3);
+  a.gx0 = mdata<T>(c.grad_x0);
   set_weight_grads(c, a);
   const int64_t n = flow_backward_layout<T>(a, nullptr);
   Tensor workspace = empty_like_device(c.x0, {n});
-  flow_backward_layout<T>(a, workspace.mutable_data_ptr<T>());
+  flow_backward_layout<T>(a, mdata<T>(workspace));
   return workspace;
 }
 

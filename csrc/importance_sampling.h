@@ -142,7 +142,7 @@ struct ImportanceSamplingBackwardCall {
   // Data pointer of an optional upstream gradient, nullptr when it is absent (zero).
   template <typename T>
   static const T* optional_ptr(const std::optional<Tensor>& t) {
-    return t ? t->const_data_ptr<T>() : nullptr;
+    return t ? cdata<T>(*t) : nullptr;
   }
 
   ImportanceSamplingGrads result() const {

@@ -63,7 +63,7 @@ struct VaeElboBackwardCall : VaeElboInputs {
   // Pointer to an upstream gradient's data, nullptr where it is None.
   template <typename T>
   static const T* ptr(const std::optional<Tensor>& g) {
-    return g.has_value() ? g->const_data_ptr<T>() : nullptr;
+    return g.has_value() ? cdata<T>(*g) : nullptr;
   }
 
   VaeElboBackwardResult result() const {

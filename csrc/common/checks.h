@@ -84,18 +84,50 @@ inline void check_size(const Tensor& t, const char* name, int64_t dim, int64_t e
 
 using NamedTensor = std::pair<const Tensor&, const char*>;
 
+// A tensor's dtype and device as the C shim's raw codes: one call into
+// libtorch each.  Tensor::scalar_type() and Tensor::device() also translate
+// the codes through a chain of calls (one per known dtype: seven for
+// float32), which a 12-tensor op would pay dozens of times per call.
+struct ShimTensorInfo {
+  int32_t dtype = 0, device_type = 0, device_index = 0;
+
+  explicit ShimTensorInfo(const Tensor& t) {
+    const bool ok = aoti_torch_get_dtype(t.get(), &dtype) == AOTI_TORCH_SUCCESS &&
+                    aoti_torch_get_device_type(t.get(), &device_type) == AOTI_TORCH_SUCCESS &&
+                    aoti_torch_get_device_index(t.get(), &device_index) == AOTI_TORCH_SUCCESS;
+    FUSED_OPS_CHECK(ok, "fused_ops: could not read a tensor's dtype and device");
+  }
+  bool same_device(const ShimTensorInfo& o) const {
+    return device_type == o.device_type && device_index == o.device_index;
+  }
+};
+
 // All tensors float32/float64, the same dtype as the first, on the first one's device.
 inline void check_same_float_dtype_and_device(std::initializer_list<NamedTensor> tensors) {
   const auto& [first, first_name] = *tensors.begin();
   const ScalarType dtype = first.scalar_type();
   FUSED_OPS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, first_name,
                   " must be float32 or float64, got ", dtype_str(dtype));
+  const ShimTensorInfo want(first);
   for (const auto& [t, name] : tensors) {
-    FUSED_OPS_CHECK(t.scalar_type() == dtype, name, " must have the same dtype as ", first_name,
+    const ShimTensorInfo got(t);
+    FUSED_OPS_CHECK(got.dtype == want.dtype, name, " must have the same dtype as ", first_name,
                     " (", dtype_str(dtype), "), got ", dtype_str(t.scalar_type()));
-    FUSED_OPS_CHECK(t.device() == first.device(), name, " must be on the same device as ",
-                    first_name, " (", device_str(first), "), got ", device_str(t));
+    FUSED_OPS_CHECK(got.same_device(want), name, " must be on the same device as ", first_name,
+                    " (", device_str(first), "), got ", device_str(t));
   }
+}
+
+// Typed data pointers without Tensor::const_data_ptr<T>()'s dtype check
+// (the translation above, per pointer): the wrappers check every tensor's
+// dtype once, up front (check_same_float_dtype_and_device), then dispatch.
+template <typename T>
+const T* cdata(const Tensor& t) {
+  return static_cast<const T*>(t.const_data_ptr());
+}
+template <typename T>
+T* mdata(const Tensor& t) {
+  return static_cast<T*>(t.mutable_data_ptr());
 }
 
 // A contiguous view of t: no call into torch when it already is (the common

@@ -170,10 +170,10 @@ Tensor flow_euler_cpu(const Tensor& x0, const Tensor& w1, const Tensor& b1, cons
   if (c.B == 0) return c.x;
   dispatch_float(c.x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    flow_euler_kernel<T>({c.x0.const_data_ptr<T>(), c.w1.const_data_ptr<T>(),
-                          c.b1.const_data_ptr<T>(), c.w2.const_data_ptr<T>(),
-                          c.b2.const_data_ptr<T>(), c.w3.const_data_ptr<T>(),
-                          c.b3.const_data_ptr<T>(), c.x.mutable_data_ptr<T>(), c.B, c.D, c.H,
+    flow_euler_kernel<T>({cdata<T>(c.x0), cdata<T>(c.w1),
+                          cdata<T>(c.b1), cdata<T>(c.w2),
+                          cdata<T>(c.b2), cdata<T>(c.w3),
+                          cdata<T>(c.b3), mdata<T>(c.x), c.B, c.D, c.H,
                           c.num_steps});
   });
   return c.x;

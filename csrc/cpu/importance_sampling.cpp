@@ -231,11 +231,11 @@ ImportanceSamplingResult importance_sampling_cpu(const Tensor& samples, const Te
   dispatch_float(samples.scalar_type(), [&](auto zero) {
     using scalar_t = decltype(zero);
     importance_sampling_kernel<scalar_t>(
-        c.x.const_data_ptr<scalar_t>(), c.mix_weights.const_data_ptr<scalar_t>(),
-        c.mix_mus.const_data_ptr<scalar_t>(), c.mix_stds.const_data_ptr<scalar_t>(),
-        c.q_mu.const_data_ptr<scalar_t>(), c.q_std.const_data_ptr<scalar_t>(), c.N, c.D, c.K,
-        c.weighted_mean.mutable_data_ptr<scalar_t>(), c.ess.mutable_data_ptr<scalar_t>(),
-        c.log_weights.mutable_data_ptr<scalar_t>());
+        cdata<scalar_t>(c.x), cdata<scalar_t>(c.mix_weights),
+        cdata<scalar_t>(c.mix_mus), cdata<scalar_t>(c.mix_stds),
+        cdata<scalar_t>(c.q_mu), cdata<scalar_t>(c.q_std), c.N, c.D, c.K,
+        mdata<scalar_t>(c.weighted_mean), mdata<scalar_t>(c.ess),
+        mdata<scalar_t>(c.log_weights));
   });
   return c.result();
 }

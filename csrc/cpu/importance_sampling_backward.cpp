@@ -290,20 +290,20 @@ ImportanceSamplingGrads importance_sampling_backward_cpu(
     const BackwardArgs<T> args{Call::optional_ptr<T>(c.grad_mean),
                                Call::optional_ptr<T>(c.grad_ess),
                                Call::optional_ptr<T>(c.grad_lw),
-                               c.x.const_data_ptr<T>(),
-                               c.mix_weights.const_data_ptr<T>(),
-                               c.weighted_mean.const_data_ptr<T>(),
-                               c.log_weights.const_data_ptr<T>(),
+                               cdata<T>(c.x),
+                               cdata<T>(c.mix_weights),
+                               cdata<T>(c.weighted_mean),
+                               cdata<T>(c.log_weights),
                                c.N,
                                c.D,
                                c.K,
-                               c.grad_x.mutable_data_ptr<T>()};
+                               mdata<T>(c.grad_x)};
     importance_sampling_backward_kernel<T>(
-        args, c.mix_mus.const_data_ptr<T>(), c.mix_stds.const_data_ptr<T>(),
-        c.q_mu.const_data_ptr<T>(), c.q_std.const_data_ptr<T>(),
-        c.grad_mix_weights.mutable_data_ptr<T>(), c.grad_mix_mus.mutable_data_ptr<T>(),
-        c.grad_mix_stds.mutable_data_ptr<T>(), c.grad_q_mu.mutable_data_ptr<T>(),
-        c.grad_q_std.mutable_data_ptr<T>());
+        args, cdata<T>(c.mix_mus), cdata<T>(c.mix_stds),
+        cdata<T>(c.q_mu), cdata<T>(c.q_std),
+        mdata<T>(c.grad_mix_weights), mdata<T>(c.grad_mix_mus),
+        mdata<T>(c.grad_mix_stds), mdata<T>(c.grad_q_mu),
+        mdata<T>(c.grad_q_std));
   });
   return c.result();
 }

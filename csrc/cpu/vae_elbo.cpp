@@ -227,16 +227,15 @@ void vae_elbo_kernel(const VaeElboCall& c, T* saved = nullptr) {
   const int64_t H = c.H, L = c.L;
   // mu and logvar in one product: their weights stacked as [2L, H].
   std::vector<T> w_mulv(2 * L * H), b_mulv(2 * L);
-  std::copy_n(c.w_mu.const_data_ptr<T>(), L * H, w_mulv.begin());
-  std::copy_n(c.w_logvar.const_data_ptr<T>(), L * H, w_mulv.begin() + L * H);
-  std::copy_n(c.b_mu.const_data_ptr<T>(), L, b_mulv.begin());
-  std::copy_n(c.b_logvar.const_data_ptr<T>(), L, b_mulv.begin() + L);
-  const Args<T> a{c.x.const_data_ptr<T>(),      c.eps.const_data_ptr<T>(),    c.w_enc.const_data_ptr<T>(),
-                  c.b_enc.const_data_ptr<T>(),  w_mulv.data(),          b_mulv.data(),
-                  c.w_dec1.const_data_ptr<T>(), c.b_dec1.const_data_ptr<T>(), c.w_dec2.const_data_ptr<T>(),
-                  c.b_dec2.const_data_ptr<T>(), c.B,                    c.I,
-                  c.H,                    c.L,                    c.elbo.mutable_data_ptr<T>(),
-                  c.recon.mutable_data_ptr<T>(),  c.kl.mutable_data_ptr<T>(), saved};
+  std::copy_n(cdata<T>(c.w_mu), L * H, w_mulv.begin());
+  std::copy_n(cdata<T>(c.w_logvar), L * H, w_mulv.begin() + L * H);
+  std::copy_n(cdata<T>(c.b_mu), L, b_mulv.begin());
+  std::copy_n(cdata<T>(c.b_logvar), L, b_mulv.begin() + L);
+  const Args<T> a{cdata<T>(c.x),      cdata<T>(c.eps),    cdata<T>(c.w_enc), cdata<T>(c.b_enc),
+                  w_mulv.data(),      b_mulv.data(),      cdata<T>(c.w_dec1), cdata<T>(c.b_dec1),
+                  cdata<T>(c.w_dec2), cdata<T>(c.b_dec2), c.B,               c.I,
+                  c.H,                c.L,                mdata<T>(c.elbo),  mdata<T>(c.recon),
+                  mdata<T>(c.kl),     saved};
   auto* range = &block_range_baseline<T>;
 #if FUSED_OPS_HAVE_AVX2_CLONE
   if (cpu::cpu_has_avx2()) range = &block_range_avx2<T>;
@@ -264,7 +263,7 @@ VaeElboTrainResult vae_elbo_train_cpu(const Tensor& x, const Tensor& eps, const 
                      b_dec2);
   dispatch_float(x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    vae_elbo_kernel<T>(c, c.saved.mutable_data_ptr<T>());
+    vae_elbo_kernel<T>(c, mdata<T>(c.saved));
   });
   return c.result();
 }

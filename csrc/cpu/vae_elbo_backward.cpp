@@ -183,14 +183,14 @@ void vae_elbo_backward_kernel(const VaeElboBackwardCall& c, const T* saved = nul
   if (B == 0) {
     for (const Tensor* t : {&c.gw_enc, &c.gb_enc, &c.gw_mu, &c.gb_mu, &c.gw_logvar, &c.gb_logvar,
                             &c.gw_dec1, &c.gb_dec1, &c.gw_dec2, &c.gb_dec2})
-      std::fill_n(t->mutable_data_ptr<T>(), t->numel(), T(0));
+      std::fill_n(mdata<T>(*t), t->numel(), T(0));
     return;
   }
   std::vector<T> w_mulv(2 * L * H), b_mulv(2 * L);
-  std::copy_n(c.w_mu.const_data_ptr<T>(), L * H, w_mulv.begin());
-  std::copy_n(c.w_logvar.const_data_ptr<T>(), L * H, w_mulv.begin() + L * H);
-  std::copy_n(c.b_mu.const_data_ptr<T>(), L, b_mulv.begin());
-  std::copy_n(c.b_logvar.const_data_ptr<T>(), L, b_mulv.begin() + L);
+  std::copy_n(cdata<T>(c.w_mu), L * H, w_mulv.begin());
+  std::copy_n(cdata<T>(c.w_logvar), L * H, w_mulv.begin() + L * H);
+  std::copy_n(cdata<T>(c.b_mu), L, b_mulv.begin());
+  std::copy_n(cdata<T>(c.b_logvar), L, b_mulv.begin() + L);
   // h, g, z: recomputed into scratch, or read from the forward's saved activations.
   const int64_t recomputed = saved ? 0 : B;
   std::vector<T> ga3(B * I), g(recomputed * H), ga2(B * H), z(recomputed * L), gml(B * 2 * L),
@@ -202,35 +202,35 @@ void vae_elbo_backward_kernel(const VaeElboBackwardCall& c, const T* saved = nul
   BwdArgs<T> a{VaeElboBackwardCall::ptr<T>(c.g_elbo),
                VaeElboBackwardCall::ptr<T>(c.g_recon),
                VaeElboBackwardCall::ptr<T>(c.g_kl),
-               c.x.const_data_ptr<T>(),
-               c.eps.const_data_ptr<T>(),
-               c.w_enc.const_data_ptr<T>(),
-               c.b_enc.const_data_ptr<T>(),
+               cdata<T>(c.x),
+               cdata<T>(c.eps),
+               cdata<T>(c.w_enc),
+               cdata<T>(c.b_enc),
                w_mulv.data(),
                b_mulv.data(),
-               c.w_dec1.const_data_ptr<T>(),
-               c.b_dec1.const_data_ptr<T>(),
-               c.w_dec2.const_data_ptr<T>(),
-               c.b_dec2.const_data_ptr<T>(),
+               cdata<T>(c.w_dec1),
+               cdata<T>(c.b_dec1),
+               cdata<T>(c.w_dec2),
+               cdata<T>(c.b_dec2),
                B, I, H, L,
                ga3.data(), g_ptr, ga2.data(), z_ptr, gml.data(), h_ptr, ga1.data(),
-               c.gx.numel() ? c.gx.mutable_data_ptr<T>() : nullptr, c.geps.mutable_data_ptr<T>(),
+               c.gx.numel() ? mdata<T>(c.gx) : nullptr, mdata<T>(c.geps),
                saved};
   const int64_t blocks = (B + kRows - 1) / kRows;
   torch::stable::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t k = c0; k < c1; ++k) block(a, k);
   });
   // Weight gradients: one product over all rows each (multithreaded BLAS).
-  matmul(a.ga3, 1, I, a.g, H, 1, c.gw_dec2.mutable_data_ptr<T>(), H, I, H, B);
-  matmul(a.ga2, 1, H, a.z, L, 1, c.gw_dec1.mutable_data_ptr<T>(), L, H, L, B);
-  matmul(a.gml, 1, 2 * L, a.h, H, 1, c.gw_mu.mutable_data_ptr<T>(), H, L, H, B);
-  matmul(a.gml + L, 1, 2 * L, a.h, H, 1, c.gw_logvar.mutable_data_ptr<T>(), H, L, H, B);
-  matmul(a.ga1, 1, H, a.x, I, 1, c.gw_enc.mutable_data_ptr<T>(), I, H, I, B);
-  column_sums(a.ga3, I, B, I, c.gb_dec2.mutable_data_ptr<T>());
-  column_sums(a.ga2, H, B, H, c.gb_dec1.mutable_data_ptr<T>());
-  column_sums(a.gml, 2 * L, B, L, c.gb_mu.mutable_data_ptr<T>());
-  column_sums(a.gml + L, 2 * L, B, L, c.gb_logvar.mutable_data_ptr<T>());
-  column_sums(a.ga1, H, B, H, c.gb_enc.mutable_data_ptr<T>());
+  matmul(a.ga3, 1, I, a.g, H, 1, mdata<T>(c.gw_dec2), H, I, H, B);
+  matmul(a.ga2, 1, H, a.z, L, 1, mdata<T>(c.gw_dec1), L, H, L, B);
+  matmul(a.gml, 1, 2 * L, a.h, H, 1, mdata<T>(c.gw_mu), H, L, H, B);
+  matmul(a.gml + L, 1, 2 * L, a.h, H, 1, mdata<T>(c.gw_logvar), H, L, H, B);
+  matmul(a.ga1, 1, H, a.x, I, 1, mdata<T>(c.gw_enc), I, H, I, B);
+  column_sums(a.ga3, I, B, I, mdata<T>(c.gb_dec2));
+  column_sums(a.ga2, H, B, H, mdata<T>(c.gb_dec1));
+  column_sums(a.gml, 2 * L, B, L, mdata<T>(c.gb_mu));
+  column_sums(a.gml + L, 2 * L, B, L, mdata<T>(c.gb_logvar));
+  column_sums(a.ga1, H, B, H, mdata<T>(c.gb_enc));
 }
 
 VaeElboBackwardResult vae_elbo_backward_cpu(
@@ -262,7 +262,7 @@ VaeElboBackwardResult vae_elbo_train_backward_cpu(
   const Tensor saved_c = as_contiguous(saved);
   dispatch_float(x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    vae_elbo_backward_kernel<T>(c, saved_c.const_data_ptr<T>());
+    vae_elbo_backward_kernel<T>(c, cdata<T>(saved_c));
   });
   return c.result();
 }

@@ -197,24 +197,24 @@ template <typename T>
 void launch_general(const FlowEulerCall& c) {
   const int64_t B = c.B, D = c.D, H = c.H;
   const auto stream = cuda::current_stream(cuda::current_device());
-  T* x = c.x.mutable_data_ptr<T>();
-  const T* w1 = c.w1.const_data_ptr<T>();
+  T* x = mdata<T>(c.x);
+  const T* w1 = cdata<T>(c.w1);
   Tensor h1 = empty_like_device(c.x, {B, H});
   Tensor h2 = empty_like_device(c.x, {B, H});
-  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(x, c.x0.const_data_ptr<T>(), sizeof(T) * B * D, cudaMemcpyDeviceToDevice, stream));
+  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(x, cdata<T>(c.x0), sizeof(T) * B * D, cudaMemcpyDeviceToDevice, stream));
   auto grid = [](int64_t n) { return unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 8192)); };
   const T dt = flow_step_size<T>(c.num_steps);
   for (int64_t k = 0; k < c.num_steps; ++k) {
     const T t = flow_step_time<T>(k, c.num_steps);
     general_layer_kernel<T, kHidden><<<grid(B * H), kThreads, 0, stream>>>(
-        x, B, D, w1, D + 1, w1 + D, c.b1.const_data_ptr<T>(), H, t, dt, h1.mutable_data_ptr<T>());
+        x, B, D, w1, D + 1, w1 + D, cdata<T>(c.b1), H, t, dt, mdata<T>(h1));
     FUSED_OPS_CUDA_LAUNCH_CHECK();
     general_layer_kernel<T, kHidden><<<grid(B * H), kThreads, 0, stream>>>(
-        h1.mutable_data_ptr<T>(), B, H, c.w2.const_data_ptr<T>(), H, nullptr, c.b2.const_data_ptr<T>(), H, t, dt,
-        h2.mutable_data_ptr<T>());
+        mdata<T>(h1), B, H, cdata<T>(c.w2), H, nullptr, cdata<T>(c.b2), H, t, dt,
+        mdata<T>(h2));
     FUSED_OPS_CUDA_LAUNCH_CHECK();
     general_layer_kernel<T, kUpdate><<<grid(B * D), kThreads, 0, stream>>>(
-        h2.mutable_data_ptr<T>(), B, H, c.w3.const_data_ptr<T>(), H, nullptr, c.b3.const_data_ptr<T>(), D, t, dt, x);
+        mdata<T>(h2), B, H, cdata<T>(c.w3), H, nullptr, cdata<T>(c.b3), D, t, dt, x);
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 }
@@ -240,14 +240,14 @@ struct FlowParams {
 
 FlowParams flow_params(const FlowEulerCall& c) {
   FlowParams p{};
-  p.x0 = c.x0.const_data_ptr<float>();
-  p.w1 = c.w1.const_data_ptr<float>();
-  p.b1 = c.b1.const_data_ptr<float>();
-  p.w2 = c.w2.const_data_ptr<float>();
-  p.b2 = c.b2.const_data_ptr<float>();
-  p.w3 = c.w3.const_data_ptr<float>();
-  p.b3 = c.b3.const_data_ptr<float>();
-  p.x = c.x.mutable_data_ptr<float>();
+  p.x0 = cdata<float>(c.x0);
+  p.w1 = cdata<float>(c.w1);
+  p.b1 = cdata<float>(c.b1);
+  p.w2 = cdata<float>(c.w2);
+  p.b2 = cdata<float>(c.b2);
+  p.w3 = cdata<float>(c.w3);
+  p.b3 = cdata<float>(c.b3);
+  p.x = mdata<float>(c.x);
   p.B = int(c.B), p.D = int(c.D), p.H = int(c.H), p.num_steps = int(c.num_steps);
   p.dt = flow_step_size<float>(c.num_steps);
   return p;
@@ -1307,7 +1307,7 @@ void launch_tiled(const FlowEulerCall& c) {
   const int64_t s1 = cuda::b_fragment_size(a.H, kD), s2 = cuda::b_fragment_size(a.H, kH),
                 s3 = cuda::b_fragment_size(a.D, kH);
   Tensor packed = empty_like_device(c.x, {s1 + s2 + s3});
-  float* pw = packed.mutable_data_ptr<float>();
+  float* pw = mdata<float>(packed);
   cuda::BFragmentsBatch batch{};
   batch.m[0] = {a.w1, a.D + 1, a.H, a.D, kD, kPassTiles, pw};
   batch.m[1] = {a.w2, a.H, a.H, a.H, kH, kPassTiles, pw + s1};
@@ -1587,7 +1587,7 @@ bool launch_wgmma(const FlowEulerCall& c) {
   const FlowParams p = flow_params(c);
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   Tensor packed = empty_like_device(c.x, {2 * fwg::kPackedPerRank});
-  float* out = packed.mutable_data_ptr<float>();
+  float* out = mdata<float>(packed);
   using cuda::wgs::CorePack;
   cuda::wgs::CorePackBatch batch{};
   for (int r = 0; r < 2; ++r) {
@@ -1621,10 +1621,7 @@ bool launch_wgmma(const FlowEulerCall& c) {
 
 Tensor flow_euler_cuda(const Tensor& x0, const Tensor& w1, const Tensor& b1, const Tensor& w2,
                        const Tensor& b2, const Tensor& w3, const Tensor& b3, int64_t num_steps) {
-  // x0 may be the CPU tensor of a CPU/CUDA mix: the checks in FlowEulerCall
-  // then name it, so only guard a CUDA device here.
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (x0.is_cuda()) guard.emplace(x0.get_device_index());
+  const cuda::TensorDeviceGuard guard(x0);
   FlowEulerCall c(x0, w1, b1, w2, b2, w3, b3, num_steps);
   FUSED_OPS_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", device_str(x0));
   FUSED_OPS_CHECK(num_steps <= INT_MAX, "num_steps must fit in int32, got ", num_steps);

@@ -406,9 +406,7 @@ FlowEulerBackwardCall::Grads flow_euler_backward_cuda(const Tensor& grad_x, cons
                                                       const Tensor& w2, const Tensor& b2,
                                                       const Tensor& w3, const Tensor& b3,
                                                       int64_t num_steps) {
-  // x0 may be the CPU tensor of a CPU/CUDA mix: the checks then name it.
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (x0.is_cuda()) guard.emplace(x0.get_device_index());
+  const cuda::TensorDeviceGuard guard(x0);
   FlowEulerBackwardCall c(grad_x, x0, w1, b1, w2, b2, w3, b3, num_steps);
   FUSED_OPS_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", device_str(x0));
   // Column-sum partials are for the streaming kernels only: the resident

@@ -455,18 +455,18 @@ void importance_sampling_launch(const Tensor& x, const Tensor& mix_weights,
                                 Tensor& weighted_mean, Tensor& ess, Tensor& log_weights) {
   constexpr int kVec = 16 / sizeof(T);
   Args<T> a{};
-  a.x = x.const_data_ptr<T>();
-  a.mix_weights = mix_weights.const_data_ptr<T>();
-  a.mix_mus = mix_mus.const_data_ptr<T>();
-  a.mix_stds = mix_stds.const_data_ptr<T>();
-  a.q_mu = q_mu.const_data_ptr<T>();
-  a.q_std = q_std.const_data_ptr<T>();
+  a.x = cdata<T>(x);
+  a.mix_weights = cdata<T>(mix_weights);
+  a.mix_mus = cdata<T>(mix_mus);
+  a.mix_stds = cdata<T>(mix_stds);
+  a.q_mu = cdata<T>(q_mu);
+  a.q_std = cdata<T>(q_std);
   a.N = x.size(0);
   a.D = int(x.size(1));
   a.K = int(mix_weights.size(0));
-  a.weighted_mean = weighted_mean.mutable_data_ptr<T>();
-  a.ess = ess.mutable_data_ptr<T>();
-  a.log_weights = log_weights.mutable_data_ptr<T>();
+  a.weighted_mean = mdata<T>(weighted_mean);
+  a.ess = mdata<T>(ess);
+  a.log_weights = mdata<T>(log_weights);
   const int64_t D = a.D, K = a.K;
 
   // Fast-path configuration: as few lanes per row as hold it in registers.
@@ -516,7 +516,7 @@ void importance_sampling_launch(const Tensor& x, const Tensor& mix_weights,
   const int64_t n_prep = fast ? 0 : count(K * D + D + K + 1);
   const int64_t n_group = fast ? 0 : count(grid * groups * D);
   Tensor workspace = empty_like_device(x, {n_lse + n_sq + n_wsum + n_prep + n_group});
-  T* w = workspace.mutable_data_ptr<T>();
+  T* w = mdata<T>(workspace);
   a.block_lse = reinterpret_cast<LogSumExp<T>*>(w);
   a.block_sum_sq = w + n_lse;
   a.block_wsum = a.block_sum_sq + n_sq;
@@ -529,10 +529,7 @@ void importance_sampling_launch(const Tensor& x, const Tensor& mix_weights,
 ImportanceSamplingResult importance_sampling_cuda(const Tensor& samples, const Tensor& mix_weights,
                                                   const Tensor& mix_mus, const Tensor& mix_stds,
                                                   const Tensor& q_mu, const Tensor& q_std) {
-  // samples may be the CPU tensor of a CPU/CUDA mix: the checks in
-  // ImportanceSamplingCall then name it, so only guard a CUDA device here.
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (samples.is_cuda()) guard.emplace(samples.get_device_index());
+  const cuda::TensorDeviceGuard guard(samples);
   ImportanceSamplingCall c(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std);
   FUSED_OPS_CHECK(samples.is_cuda(), "samples must be a CUDA tensor, got ", device_str(samples));
   FUSED_OPS_CHECK(c.D <= INT_MAX && c.K <= INT_MAX,

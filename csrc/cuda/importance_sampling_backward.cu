@@ -312,23 +312,23 @@ void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c
   a.grad_mean = Call::optional_ptr<T>(c.grad_mean);
   a.grad_ess = Call::optional_ptr<T>(c.grad_ess);
   a.grad_lw = Call::optional_ptr<T>(c.grad_lw);
-  a.x = c.x.const_data_ptr<T>();
-  a.mix_weights = c.mix_weights.const_data_ptr<T>();
-  a.mix_mus = c.mix_mus.const_data_ptr<T>();
-  a.mix_stds = c.mix_stds.const_data_ptr<T>();
-  a.q_mu = c.q_mu.const_data_ptr<T>();
-  a.q_std = c.q_std.const_data_ptr<T>();
-  a.mean = c.weighted_mean.const_data_ptr<T>();
-  a.log_weights = c.log_weights.const_data_ptr<T>();
+  a.x = cdata<T>(c.x);
+  a.mix_weights = cdata<T>(c.mix_weights);
+  a.mix_mus = cdata<T>(c.mix_mus);
+  a.mix_stds = cdata<T>(c.mix_stds);
+  a.q_mu = cdata<T>(c.q_mu);
+  a.q_std = cdata<T>(c.q_std);
+  a.mean = cdata<T>(c.weighted_mean);
+  a.log_weights = cdata<T>(c.log_weights);
   a.N = c.N;
   a.D = int(c.D);
   a.K = int(c.K);
-  a.grad_x = c.grad_x.mutable_data_ptr<T>();
-  a.grad_mix_weights = c.grad_mix_weights.mutable_data_ptr<T>();
-  a.grad_mix_mus = c.grad_mix_mus.mutable_data_ptr<T>();
-  a.grad_mix_stds = c.grad_mix_stds.mutable_data_ptr<T>();
-  a.grad_q_mu = c.grad_q_mu.mutable_data_ptr<T>();
-  a.grad_q_std = c.grad_q_std.mutable_data_ptr<T>();
+  a.grad_x = mdata<T>(c.grad_x);
+  a.grad_mix_weights = mdata<T>(c.grad_mix_weights);
+  a.grad_mix_mus = mdata<T>(c.grad_mix_mus);
+  a.grad_mix_stds = mdata<T>(c.grad_mix_stds);
+  a.grad_q_mu = mdata<T>(c.grad_q_mu);
+  a.grad_q_std = mdata<T>(c.grad_q_std);
   const int64_t N = c.N, D = c.D, K = c.K;
   const int64_t E = (K + 1) * D + K;
   const int64_t CS = K + 2;
@@ -364,7 +364,7 @@ void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c
   const int64_t n_acc = count(grid * 2 * E * kDoubleT);
   const int64_t n_coef = coef_in_smem ? 0 : count(grid * tile * CS);
   Tensor workspace = empty_like_device(c.x, {n_sums + n_inv + n_norm + n_acc + n_coef});
-  T* w = workspace.mutable_data_ptr<T>();
+  T* w = mdata<T>(workspace);
   a.block_sums = reinterpret_cast<double*>(w);  // every array starts 16-byte aligned
   a.inv_std = w + n_sums;
   a.log_norm = a.inv_std + n_inv;
@@ -379,8 +379,7 @@ ImportanceSamplingGrads importance_sampling_backward_cuda(
     const std::optional<Tensor>& grad_log_weights, const Tensor& samples,
     const Tensor& mix_weights, const Tensor& mix_mus, const Tensor& mix_stds, const Tensor& q_mu,
     const Tensor& q_std, const Tensor& weighted_mean, const Tensor& log_weights) {
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (samples.is_cuda()) guard.emplace(samples.get_device_index());
+  const cuda::TensorDeviceGuard guard(samples);
   ImportanceSamplingBackwardCall c(grad_weighted_mean, grad_ess, grad_log_weights, samples,
                                    mix_weights, mix_mus, mix_stds, q_mu, q_std, weighted_mean,
                                    log_weights);

@@ -938,28 +938,57 @@ int cluster_size_for(void (*kernel)(const Args<float>), size_t smem, int64_t til
   return fits8 ? 8 : 0;
 }
 
-// Launches the cluster path; false when it does not apply.
-bool launch_cluster(const Args<float>& a) {
-  if (cuda::compute_capability_major() < 9) return false;
-  const size_t smem = size_t(ClusterLayout(a.I, a.H, a.L).total) * sizeof(float);
-  if (smem > kMaxClusterSmem || smem > cuda::max_shared_memory_per_block()) return false;
-  const bool vec = a.I % 4 == 0 && a.H % 4 == 0 && a.L % 4 == 0 && aligned16(a.x) &&
-                   aligned16(a.w_enc) && aligned16(a.w_mu) && aligned16(a.w_lv) &&
-                   aligned16(a.w_d1) && aligned16(a.w_d2);
-  void (*kernel)(const Args<float>) =
-      vec ? vae_elbo_cluster_kernel<true, false> : vae_elbo_cluster_kernel<false, false>;
-  const int64_t tiles = (int64_t(a.B) + kRows - 1) / kRows;
-  const int C = cluster_size_for(kernel, smem, tiles);
-  if (C == 0) return false;
+// Which cluster kernel runs a call, in clusters of how many CTAs (0: the
+// cluster path does not apply), with how much shared memory.
+struct ClusterPlan {
+  void (*kernel)(const Args<float>) = nullptr;
+  int cluster = 0;
+  size_t smem = 0;
+};
+
+ClusterPlan plan_cluster(int I, int H, int L, bool vec, int64_t tiles) {
+  ClusterPlan plan;
+  if (cuda::compute_capability_major() < 9) return plan;
+  plan.smem = size_t(ClusterLayout(I, H, L).total) * sizeof(float);
+  if (plan.smem > kMaxClusterSmem || plan.smem > cuda::max_shared_memory_per_block()) return plan;
+  plan.kernel = vec ? vae_elbo_cluster_kernel<true, false> : vae_elbo_cluster_kernel<false, false>;
+  plan.cluster = cluster_size_for(plan.kernel, plan.smem, tiles);
   // The software-pipelined kernel when all clusters are resident at once
   // with its one CTA per SM (B <= 240 at 784-256-32 on an H200); beyond
   // that, the two-CTA-per-SM kernel keeps more of them resident.
-  if (vec && tiles <= cuda::max_active_clusters(vae_elbo_cluster_kernel<true, true>, C, kThreads, smem)) {
-    kernel = vae_elbo_cluster_kernel<true, true>;
+  if (plan.cluster > 0 && vec &&
+      tiles <= cuda::max_active_clusters(vae_elbo_cluster_kernel<true, true>, plan.cluster, kThreads,
+                                         plan.smem)) {
+    plan.kernel = vae_elbo_cluster_kernel<true, true>;
   }
-  const cuda::ClusterLaunch launch(tiles * C, C, kThreads, smem,
-                                   cuda::current_stream(cuda::current_device()));
-  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, kernel, a));
+  return plan;
+}
+
+// Launches the cluster path; false when it does not apply.  The plan is
+// cached per (device, sizes, alignment, row tiles): working it out asks
+// about six cached device facts and occupancies, each a cudaGetDevice, a
+// mutex and a map search (1.1-1.9 us per call on the H200 test host,
+// sixteenth session's run 1), on a path whose calls are host-bound at B=128.
+bool launch_cluster(const Args<float>& a) {
+  const bool vec = a.I % 4 == 0 && a.H % 4 == 0 && a.L % 4 == 0 && aligned16(a.x) &&
+                   aligned16(a.w_enc) && aligned16(a.w_mu) && aligned16(a.w_lv) &&
+                   aligned16(a.w_d1) && aligned16(a.w_d2);
+  const int64_t tiles = (int64_t(a.B) + kRows - 1) / kRows;
+  const int device = cuda::current_device();
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int, int, bool, int64_t>, ClusterPlan> plans;
+  ClusterPlan plan;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_tuple(device, a.I, a.H, a.L, vec, tiles);
+    const auto it = plans.find(key);
+    plan = it != plans.end() ? it->second
+                             : plans.emplace(key, plan_cluster(a.I, a.H, a.L, vec, tiles)).first->second;
+  }
+  if (plan.cluster == 0) return false;
+  const cuda::ClusterLaunch launch(tiles * plan.cluster, plan.cluster, kThreads, plan.smem,
+                                   cuda::current_stream(device));
+  FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, plan.kernel, a));
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   return true;
 }
@@ -983,7 +1012,7 @@ bool launch_tiled(const Args<float>& a, const Tensor& like) {
   int64_t total = 0;
   for (const auto& [m, ld, N, K] : mats) total += cuda::b_fragment_size(N, packed_steps(K), true);
   Tensor packed = empty_like_device(like, {total});
-  float* out = packed.mutable_data_ptr<float>();
+  float* out = mdata<float>(packed);
   cuda::BFragmentsBatch batch{};
   PackedWeight pw[5];
   for (int i = 0; i < 5; ++i) {
@@ -1373,7 +1402,7 @@ bool launch_wgmma(const Args<float>& a, const Tensor& like) {
   int64_t total = 0;
   for (const CorePack& p : packs) total += p.size();
   Tensor packed = empty_like_device(like, {std::max<int64_t>(total, 1)});
-  float* out = packed.mutable_data_ptr<float>();
+  float* out = mdata<float>(packed);
   cuda::wgs::CorePackBatch batch{};
   for (int i = 0; i < wg::kPacks; ++i) {
     packs[i].out = out;
@@ -1400,20 +1429,18 @@ void launch_general(const Args<T>& a, const Tensor& like) {
   Tensor ws = empty_like_device(like, {int64_t(a.B) * (2 * int64_t(a.H) + 2 * a.L)});
   vae_elbo_general_kernel<T><<<unsigned(a.B), kThreads, 0,
                                cuda::current_stream(cuda::current_device())>>>(
-      a, ws.mutable_data_ptr<T>());
+      a, mdata<T>(ws));
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
 
 template <typename T>
 void vae_elbo_launch(const VaeElboCall& c) {
-  const Args<T> a{c.x.const_data_ptr<T>(),      c.eps.const_data_ptr<T>(),      c.w_enc.const_data_ptr<T>(),
-                  c.b_enc.const_data_ptr<T>(),  c.w_mu.const_data_ptr<T>(),     c.b_mu.const_data_ptr<T>(),
-                  c.w_logvar.const_data_ptr<T>(), c.b_logvar.const_data_ptr<T>(), c.w_dec1.const_data_ptr<T>(),
-                  c.b_dec1.const_data_ptr<T>(), c.w_dec2.const_data_ptr<T>(),   c.b_dec2.const_data_ptr<T>(),
-                  int(c.B),               int(c.I),                 int(c.H),
-                  int(c.L),               c.elbo.mutable_data_ptr<T>(),     c.recon.mutable_data_ptr<T>(),
-                  c.kl.mutable_data_ptr<T>()};
+  const Args<T> a{cdata<T>(c.x),      cdata<T>(c.eps),      cdata<T>(c.w_enc),    cdata<T>(c.b_enc),
+                  cdata<T>(c.w_mu),   cdata<T>(c.b_mu),     cdata<T>(c.w_logvar), cdata<T>(c.b_logvar),
+                  cdata<T>(c.w_dec1), cdata<T>(c.b_dec1),   cdata<T>(c.w_dec2),   cdata<T>(c.b_dec2),
+                  int(c.B),           int(c.I),             int(c.H),             int(c.L),
+                  mdata<T>(c.elbo),   mdata<T>(c.recon),    mdata<T>(c.kl)};
   if constexpr (std::is_same_v<T, float>) {
     if (c.B >= kTiledMinBatch && (launch_wgmma(a, c.x) || launch_tiled(a, c.x))) return;
     if (launch_cluster(a)) return;
@@ -1425,10 +1452,7 @@ VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_
                             const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
                             const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
                             const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2) {
-  // x may be the CPU tensor of a CPU/CUDA mix: the checks in VaeElboCall then
-  // name the first CUDA tensor, so only guard a CUDA device here.
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (x.is_cuda()) guard.emplace(x.get_device_index());
+  const cuda::TensorDeviceGuard guard(x);
   VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
                 b_dec2);
   FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));

@@ -317,7 +317,7 @@ void vae_elbo_backward_persistent(const VaeElboBackwardCall& c, PersistentArgs<T
   const int64_t n_bh = up4(B * H), n_ml = up4(B * 2 * L), n_z = up4(B * L), n_bi = up4(B * I),
                 n_w = up4(2 * L * H);
   Tensor ws = empty_like_device(c.x, {4 * n_bh + 2 * n_ml + n_z + n_bi + n_w});
-  T* w = ws.mutable_data_ptr<T>();
+  T* w = mdata<T>(ws);
   a.h = w;
   a.g = a.h + n_bh;
   a.ga2 = a.g + n_bh;
@@ -345,40 +345,40 @@ template <typename T>
 void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
   const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
-  T* gw_enc = c.gw_enc.mutable_data_ptr<T>();
-  T* gb_enc = c.gb_enc.mutable_data_ptr<T>();
-  T* gw_mu = c.gw_mu.mutable_data_ptr<T>();
-  T* gb_mu = c.gb_mu.mutable_data_ptr<T>();
-  T* gw_lv = c.gw_logvar.mutable_data_ptr<T>();
-  T* gb_lv = c.gb_logvar.mutable_data_ptr<T>();
-  T* gw_d1 = c.gw_dec1.mutable_data_ptr<T>();
-  T* gb_d1 = c.gb_dec1.mutable_data_ptr<T>();
-  T* gw_d2 = c.gw_dec2.mutable_data_ptr<T>();
-  T* gb_d2 = c.gb_dec2.mutable_data_ptr<T>();
+  T* gw_enc = mdata<T>(c.gw_enc);
+  T* gb_enc = mdata<T>(c.gb_enc);
+  T* gw_mu = mdata<T>(c.gw_mu);
+  T* gb_mu = mdata<T>(c.gb_mu);
+  T* gw_lv = mdata<T>(c.gw_logvar);
+  T* gb_lv = mdata<T>(c.gb_logvar);
+  T* gw_d1 = mdata<T>(c.gw_dec1);
+  T* gb_d1 = mdata<T>(c.gb_dec1);
+  T* gw_d2 = mdata<T>(c.gw_dec2);
+  T* gb_d2 = mdata<T>(c.gb_dec2);
   if (B == 0) {
     for (const Tensor* t : {&c.gw_enc, &c.gb_enc, &c.gw_mu, &c.gb_mu, &c.gw_logvar, &c.gb_logvar,
                             &c.gw_dec1, &c.gb_dec1, &c.gw_dec2, &c.gb_dec2})
       FUSED_OPS_CUDA_CHECK(
-          cudaMemsetAsync(t->mutable_data_ptr<T>(), 0, size_t(t->numel()) * sizeof(T), stream));
+          cudaMemsetAsync(mdata<T>(*t), 0, size_t(t->numel()) * sizeof(T), stream));
     return;
   }
   const torch::stable::Device dev = c.x.device();
-  const T* x = c.x.const_data_ptr<T>();
-  const T* eps = c.eps.const_data_ptr<T>();
-  const T* w_enc = c.w_enc.const_data_ptr<T>();
-  const T* w_d1 = c.w_dec1.const_data_ptr<T>();
-  const T* w_d2 = c.w_dec2.const_data_ptr<T>();
+  const T* x = cdata<T>(c.x);
+  const T* eps = cdata<T>(c.eps);
+  const T* w_enc = cdata<T>(c.w_enc);
+  const T* w_d1 = cdata<T>(c.w_dec1);
+  const T* w_d2 = cdata<T>(c.w_dec2);
   const T* g_elbo = VaeElboBackwardCall::ptr<T>(c.g_elbo);
   const T* g_recon = VaeElboBackwardCall::ptr<T>(c.g_recon);
   const T* g_kl = VaeElboBackwardCall::ptr<T>(c.g_kl);
-  T* gx = c.gx.mutable_data_ptr<T>();
-  T* geps = c.geps.mutable_data_ptr<T>();
+  T* gx = mdata<T>(c.gx);
+  T* geps = mdata<T>(c.geps);
 
   if (double(B) * double(H) * (6.0 * double(I) + 8.0 * double(L)) <= kPersistentMaxMacs) {
-    PersistentArgs<T> a{B, I, H, L, x, eps, w_enc, c.b_enc.const_data_ptr<T>(),
-                        c.w_mu.const_data_ptr<T>(), c.b_mu.const_data_ptr<T>(),
-                        c.w_logvar.const_data_ptr<T>(), c.b_logvar.const_data_ptr<T>(), w_d1,
-                        c.b_dec1.const_data_ptr<T>(), w_d2, c.b_dec2.const_data_ptr<T>(),
+    PersistentArgs<T> a{B, I, H, L, x, eps, w_enc, cdata<T>(c.b_enc),
+                        cdata<T>(c.w_mu), cdata<T>(c.b_mu),
+                        cdata<T>(c.w_logvar), cdata<T>(c.b_logvar), w_d1,
+                        cdata<T>(c.b_dec1), w_d2, cdata<T>(c.b_dec2),
                         g_elbo, g_recon, g_kl, gx, geps, gw_enc, gb_enc, gw_mu, gb_mu, gw_lv,
                         gb_lv, gw_d1, gb_d1, gw_d2, gb_d2};  // workspace pointers set below
     vae_elbo_backward_persistent<T>(c, a);
@@ -392,7 +392,7 @@ void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
                 n_ga1 = up4(B * H), n_w = up4(2 * L * H);
   Tensor ws = empty_like_device(
       c.x, {n_h + n_ml + n_z + n_g + n_a3 + n_ga2 + n_gz + n_gml + n_ga1 + n_w});
-  T* h = ws.mutable_data_ptr<T>();
+  T* h = mdata<T>(ws);
   T* ml = h + n_h;
   T* z = ml + n_ml;
   T* g = z + n_z;
@@ -402,29 +402,29 @@ void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
   T* gml = gz + n_gz;
   T* ga1 = gml + n_gml;
   T* w_mulv = ga1 + n_ga1;  // [w_mu; w_logvar], [2L, H]
-  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv, c.w_mu.const_data_ptr<T>(), size_t(L * H) * sizeof(T),
+  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv, cdata<T>(c.w_mu), size_t(L * H) * sizeof(T),
                                        cudaMemcpyDeviceToDevice, stream));
-  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv + L * H, c.w_logvar.const_data_ptr<T>(),
+  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv + L * H, cdata<T>(c.w_logvar),
                                        size_t(L * H) * sizeof(T), cudaMemcpyDeviceToDevice, stream));
 
   // ---- forward recompute
   linear_nt(x, I, w_enc, I, h, H, B, H, I, dev);
-  cuda::apply_epilogue(stream, h, H, B, H, AddBiasRelu<T>{h, H, c.b_enc.const_data_ptr<T>()});
+  cuda::apply_epilogue(stream, h, H, B, H, AddBiasRelu<T>{h, H, cdata<T>(c.b_enc)});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   linear_nt(h, H, static_cast<const T*>(w_mulv), H, ml, 2 * L, B, 2 * L, H, dev);
   cuda::apply_epilogue(stream, ml, 2 * L, B, L,
-                       LatentForward<T>{{ml, 2 * L, c.b_mu.const_data_ptr<T>()},
-                                        {ml + L, 2 * L, c.b_logvar.const_data_ptr<T>()},
+                       LatentForward<T>{{ml, 2 * L, cdata<T>(c.b_mu)},
+                                        {ml + L, 2 * L, cdata<T>(c.b_logvar)},
                                         {ml, eps, z, L}});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   linear_nt(static_cast<const T*>(z), L, w_d1, L, g, H, B, H, L, dev);
-  cuda::apply_epilogue(stream, g, H, B, H, AddBiasRelu<T>{g, H, c.b_dec1.const_data_ptr<T>()});
+  cuda::apply_epilogue(stream, g, H, B, H, AddBiasRelu<T>{g, H, cdata<T>(c.b_dec1)});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   linear_nt(static_cast<const T*>(g), H, w_d2, H, a3, I, B, I, H, dev);
 
   // ---- decoder backward
   cuda::apply_epilogue(stream, a3, I, B, I,
-                       BceBackward<T>{c.b_dec2.const_data_ptr<T>(), x, g_elbo, g_recon, a3, gx, I});
+                       BceBackward<T>{cdata<T>(c.b_dec2), x, g_elbo, g_recon, a3, gx, I});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   matmul(static_cast<const T*>(a3), 1, I, static_cast<const T*>(g), H, 1, gw_d2, H, I, H, B, dev);
   matmul(static_cast<const T*>(a3), I, 1, w_d2, H, 1, ga2, H, B, H, I, dev);
@@ -469,8 +469,7 @@ VaeElboBackwardResult vae_elbo_backward_cuda(
     const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
     const Tensor& b_dec2) {
-  std::optional<torch::stable::accelerator::DeviceGuard> guard;
-  if (x.is_cuda()) guard.emplace(x.get_device_index());
+  const cuda::TensorDeviceGuard guard(x);
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2);
   FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
