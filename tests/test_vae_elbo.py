@@ -554,6 +554,37 @@ def test_cuda_graph_capture():
     assert_outputs_equal(out, fused(new_x, *args[1:]))
 
 
+@requires_cuda
+@pytest.mark.parametrize("B,I,H,L", [(128, 784, 256, 1), (40, 64, 32, 1)])
+def test_cuda_back_to_back_calls_see_the_previous_calls_outputs(B, I, H, L):
+    # The cluster kernel may start while the previous kernel in the stream
+    # still runs (programmatic dependent launch) and must wait for it before
+    # reading its inputs: chain calls whose eps is the previous call's kl
+    # (a view, so no other kernel runs between them), unsynchronised, and
+    # compare with the same chain synchronised after every call.  The
+    # outputs land in blocks the caching allocator held NaN in (poisoned,
+    # then freed; every output is kept, so none is recycled within the
+    # chain): a read before the previous call's write would bring NaN.
+    args = make_inputs(B, I, H, L, device="cuda")
+
+    def chain(sync):
+        poison = [torch.full((B,), float("nan"), device="cuda") for _ in range(200)]
+        torch.cuda.synchronize()
+        del poison
+        eps, outs = args[1], []
+        for _ in range(30):
+            out = fused(args[0], eps, *args[2:])
+            outs.append(out)
+            eps = out[2].view(B, 1)
+            if sync:
+                torch.cuda.synchronize()
+        return torch.stack([torch.stack(o) for o in outs])
+
+    want = chain(sync=True)
+    assert torch.isfinite(want).all()
+    assert torch.equal(chain(sync=False), want)
+
+
 # ---------------------------------------------------------------------------
 # The module
 # ---------------------------------------------------------------------------

@@ -121,7 +121,7 @@ void allow_dynamic_smem(Kernel kernel, size_t smem) {
 // copyable: cfg.attrs points into the object.
 struct ClusterLaunch {
   cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1] = {};
+  cudaLaunchAttribute attr[2] = {};
 
   ClusterLaunch(int64_t grid, int cluster, int threads, size_t smem, cudaStream_t stream) {
     cfg.gridDim = dim3(unsigned(grid));
@@ -134,6 +134,14 @@ struct ClusterLaunch {
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
+  }
+  // Programmatic dependent launch: the kernel may start while the previous
+  // one in the stream still runs (cuda/dependent_launch.cuh: it must call
+  // wait_prior_grids() before touching global memory).
+  void overlap_prior_kernel() {
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = 2;
   }
   ClusterLaunch(const ClusterLaunch&) = delete;
   ClusterLaunch& operator=(const ClusterLaunch&) = delete;

@@ -68,6 +68,7 @@
 #include <type_traits>
 
 #include "common/bce.h"
+#include "cuda/dependent_launch.cuh"
 #include "cuda/mbarrier.cuh"
 #include "cuda/reductions.cuh"
 #include "cuda/runtime.cuh"
@@ -374,6 +375,9 @@ template <bool VEC, bool PREFETCH>
 __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<float> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) float smem[];
+  // The next call's kernel may start launching now (it waits for this one
+  // before touching global memory): at B=128 it finds 68 idle SMs.
+  cuda::launch_dependents();
   cg::cluster_group cluster = cg::this_cluster();
   const int C = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   const int row0 = int(blockIdx.x / unsigned(C)) * kRows;
@@ -412,6 +416,9 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
   // just before the first push, so the barrier's latency hides behind the x
   // load and the encoder.
   auto started = cluster.barrier_arrive();
+  // Launched overlapping the previous kernel in the stream: everything
+  // above touched shared memory only; from here on, global memory.
+  cuda::wait_prior_grids();
 
   // x tile; rows past the batch are zero (their results are never stored).
   if constexpr (VEC) {
@@ -986,8 +993,9 @@ bool launch_cluster(const Args<float>& a) {
                              : plans.emplace(key, plan_cluster(a.I, a.H, a.L, vec, tiles)).first->second;
   }
   if (plan.cluster == 0) return false;
-  const cuda::ClusterLaunch launch(tiles * plan.cluster, plan.cluster, kThreads, plan.smem,
-                                   cuda::current_stream(device));
+  cuda::ClusterLaunch launch(tiles * plan.cluster, plan.cluster, kThreads, plan.smem,
+                             cuda::current_stream(device));
+  launch.overlap_prior_kernel();
   FUSED_OPS_CUDA_CHECK(cudaLaunchKernelEx(&launch.cfg, plan.kernel, a));
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   return true;
