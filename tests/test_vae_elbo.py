@@ -557,14 +557,19 @@ def test_cuda_graph_capture():
 @requires_cuda
 @pytest.mark.parametrize("B,I,H,L", [(128, 784, 256, 1), (40, 64, 32, 1)])
 def test_cuda_back_to_back_calls_see_the_previous_calls_outputs(B, I, H, L):
-    # The cluster kernel may start while the previous kernel in the stream
-    # still runs (programmatic dependent launch) and must wait for it before
-    # reading its inputs: chain calls whose eps is the previous call's kl
-    # (a view, so no other kernel runs between them), unsynchronised, and
-    # compare with the same chain synchronised after every call.  The
-    # outputs land in blocks the caching allocator held NaN in (poisoned,
-    # then freed; every output is kept, so none is recycled within the
-    # chain): a read before the previous call's write would bring NaN.
+    # Stream order across calls: the cluster kernel may start while the
+    # previous kernel in the stream still runs (programmatic dependent
+    # launch) and waits for it before touching global memory.  Chain calls
+    # whose eps is the previous call's kl (a view, so no other kernel runs
+    # between them), unsynchronised, and compare with the same chain
+    # synchronised after every call.  The outputs land in blocks the caching
+    # allocator held NaN in (poisoned, then freed; every output is kept, so
+    # none is recycled within the chain): a read before the previous call's
+    # write would bring NaN.  A limit, measured: a build without the wait
+    # passed this test too on the H200 (sixteenth session, run 5) -- the
+    # early start did not reach the eps read, ~13k cycles into the kernel --
+    # so the wait rests on griddepcontrol's contract; this test guards the
+    # stream-order property itself.
     args = make_inputs(B, I, H, L, device="cuda")
 
     def chain(sync):

@@ -21,9 +21,13 @@
 //          memory (each weight once per CTA), as float4 when I, H, L are
 //          multiples of 4 and the pointers are 16-byte aligned (software-
 //          pipelined, one CTA per SM, when all clusters are resident at once;
-//          two CTAs per SM otherwise), element by element otherwise.  Hit by
-//          the default size (B=128, 784-256-32: 20.6 us) and every float32
-//          test size below 2048 rows.
+//          two CTAs per SM otherwise), element by element otherwise.
+//          Launched with programmatic dependent launch (dependent_launch.cuh):
+//          a call's kernel may start on the SMs the previous one leaves idle
+//          and waits for it before its first global-memory access (B=128:
+//          20.47 -> 19.66 us per call in CUDA graphs, sixteenth session's
+//          run 5).  Hit by the default size (B=128, 784-256-32: kernel
+//          ~20.5 us) and every float32 test size below 2048 rows.
 // wgmma    float32, compute capability 9.0 with the sm_90a code built
 //          (FUSED_OPS_SM90A, setup.py), B >= kTiledMinBatch (2048), H == 256,
 //          L <= 32, any I.  The tiled path's design on Hopper's warpgroup
