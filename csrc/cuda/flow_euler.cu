@@ -81,7 +81,6 @@
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
@@ -89,7 +88,6 @@
 #include <climits>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <tuple>
 #include <type_traits>
 

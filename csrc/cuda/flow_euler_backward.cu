@@ -33,13 +33,11 @@
 // and stream).
 
 #include <cuda_runtime.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <climits>
-#include <optional>
 
 #include "cuda/cooperative.cuh"
 #include "cuda/runtime.cuh"

@@ -24,13 +24,11 @@
 // weighted sums kept in a global workspace.
 
 #include <cooperative_groups.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <climits>
-#include <optional>
 
 #include "common/logsumexp.h"
 #include "cuda/cooperative.cuh"

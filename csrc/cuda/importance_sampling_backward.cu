@@ -34,7 +34,6 @@
 // size.  Workspace: O(grid * (K + 1) * D).
 
 #include <cooperative_groups.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 

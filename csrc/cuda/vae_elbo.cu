@@ -57,7 +57,6 @@
 // saturation and rounding are kept).
 
 #include <cooperative_groups.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
@@ -66,7 +65,6 @@
 #include <climits>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <utility>
 #include <tuple>
 #include <type_traits>

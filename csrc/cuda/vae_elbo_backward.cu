@@ -34,7 +34,6 @@
 // kernels: p = 1 / (1 + exp(-a)); BCE backward (p - x) / max((1 - p) p,
 // 1e-12); sigmoid backward * (1 - p) * p; BCE target gradient -log(p / (1 - p)).
 
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
