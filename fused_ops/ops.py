@@ -24,9 +24,11 @@ def _forbid_double_backward(name, reference):
             f"another backward) is not supported; use {reference} for higher-order derivatives"
         )
 
-    torch.library.register_autograd(
-        f"fused_ops::{name}_backward", backward, setup_context=lambda ctx, inputs, output: None
-    )
+    _register_autograd(getattr(torch.ops.fused_ops, f"{name}_backward").default, backward, _save_nothing)
+
+
+def _save_nothing(ctx, inputs, output):
+    pass
 
 
 _any_requires_grad = getattr(torch._C, "_any_requires_grad", None)
@@ -89,17 +91,66 @@ def _call_op(op, tensors, *scalars):
     12 tensors of ``vae_elbo`` on a 2-core VM, as much as a small fused
     kernel (on the H200, the VAE module call at B=128 went from 47.5 to 28.7
     us for a 26 us kernel: bench/results/nvidia-h200-gpu-run.txt, run W and
-    the seventh session's run 1).  Under ``torch.compile`` the op is called
-    as it is, so the graph records the op itself.  Eager calls refuse
-    forward-mode AD first (:func:`_reject_forward_ad`).
+    the seventh session's run 1).  When a gradient can flow, a forward op
+    registered through :func:`_register_autograd` runs as its eager
+    ``autograd.Function`` (same ``setup_context`` and backward).  Under
+    ``torch.compile`` the op is called as it is, so the graph records the op
+    itself.  Eager calls refuse forward-mode AD first
+    (:func:`_reject_forward_ad`).
     """
     if torch.compiler.is_compiling():
         return op(*tensors, *scalars)
     _reject_forward_ad(op, tensors)
     if _needs_grad(tensors):
-        return op(*tensors, *scalars)
+        function = _EAGER_AUTOGRAD.get(op)
+        return op(*tensors, *scalars) if function is None else function.apply(*tensors, *scalars)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*tensors, *scalars)
+
+
+# op -> the torch.autograd.Function that eager calls needing gradients use.
+_EAGER_AUTOGRAD = {}
+
+
+def _register_autograd(op, backward, setup_context):
+    """``torch.library.register_autograd(op, backward, setup_context)``, and
+    the same pair as a ``torch.autograd.Function`` (named after the op) that
+    eager calls through :func:`_call_op` use when a gradient can flow.
+
+    The registration is what ``torch.ops.fused_ops.*`` called directly and
+    ``torch.compile`` use.  The Function skips the Python that the kernel
+    register_autograd installs runs on every call: its ``fill_defaults``
+    rebuilds the schema's argument list once per argument (~28 us per
+    ``vae_elbo`` call on a 2-core VM), and it redispatches from Python.  On
+    the H200 host a VAE training step at B=128 took ~100 us less this way
+    (bench/results/nvidia-h200-gpu-run.txt, seventeenth session, run 1).
+    Both routes run the same ``setup_context`` and backward, and the tests
+    check that they give bitwise the same gradients.  The Function's forward
+    runs the op below the Autograd key: inside it grad mode is off, and the
+    registered kernel would otherwise be entered just to redispatch.
+
+    The Function also opens the ops to ``torch.func``: functorch needs a
+    ``setup_context`` staticmethod (which the generated Function lacks) for
+    ``grad``/``vjp``, and a vmap rule for ``vmap`` of ``grad`` (per-sample
+    gradients); ``generate_vmap_rule`` runs forward and backward under vmap,
+    where the ops take torch's per-sample fallback.
+    """
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    _EAGER_AUTOGRAD[op] = type(
+        op._opname,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "generate_vmap_rule": True,
+        },
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -160,6 +211,7 @@ def _importance_sampling_setup_context(ctx, inputs, output):
     # log_weights, see importance_sampling_backward).
     weighted_mean, _, log_weights = output
     ctx.save_for_backward(*inputs, weighted_mean, log_weights)
+    ctx.set_materialize_grads(False)  # the backward op takes None for an unused output
 
 
 def _importance_sampling_backward(ctx, grad_mean, grad_ess, grad_log_weights):
@@ -230,10 +282,10 @@ def _importance_sampling_backward_fake(
 _forbid_double_backward("importance_sampling", "fused_ops.reference.importance_sampling")
 
 
-torch.library.register_autograd(
-    "fused_ops::importance_sampling",
+_register_autograd(
+    torch.ops.fused_ops.importance_sampling.default,
     _importance_sampling_backward,
-    setup_context=_importance_sampling_setup_context,
+    _importance_sampling_setup_context,
 )
 
 
@@ -375,11 +427,7 @@ def _flow_euler_backward(ctx, grad_x):
     return (*grads, None)
 
 
-torch.library.register_autograd(
-    "fused_ops::flow_euler",
-    _flow_euler_backward,
-    setup_context=_flow_euler_setup_context,
-)
+_register_autograd(torch.ops.fused_ops.flow_euler.default, _flow_euler_backward, _flow_euler_setup_context)
 
 
 # ---------------------------------------------------------------------------
@@ -448,8 +496,8 @@ def vae_elbo(
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
     if x.is_cpu and _needs_grad(args):
         if not torch.compiler.is_compiling():
-            _reject_forward_ad(torch.ops.fused_ops.vae_elbo.default, args)
-        elbo, recon, kl, _ = torch.ops.fused_ops.vae_elbo_train.default(*args)
+            _reject_forward_ad(torch.ops.fused_ops.vae_elbo.default, args)  # names the public op
+        elbo, recon, kl, _ = _call_op(torch.ops.fused_ops.vae_elbo_train.default, args)
         return elbo, recon, kl
     return _call_op(torch.ops.fused_ops.vae_elbo.default, args)
 
@@ -468,8 +516,11 @@ def _vae_elbo_setup_context(ctx, inputs, output):
     # h, mu, logvar, z, the decoder hidden layer and p (on CUDA one extra
     # forward's products, cheaper than keeping B * (2H + 3L + I) activations
     # alive between forward and backward; CPU calls that need gradients go
-    # through vae_elbo_train, which keeps them, see vae_elbo).
+    # through vae_elbo_train, which keeps them, see vae_elbo).  An unused
+    # output's gradient stays None (the backward op reads it as zero) rather
+    # than a zero tensor autograd would allocate and fill.
     ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)
 
 
 def _vae_elbo_backward(ctx, grad_elbo, grad_recon, grad_kl):
@@ -537,8 +588,11 @@ def _vae_elbo_train_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w
 
 
 def _vae_elbo_train_setup_context(ctx, inputs, output):
-    # The inputs and the saved activations (not the losses).
+    # The inputs and the saved activations (not the losses).  Unused outputs'
+    # gradients stay None, in particular the saved buffer's, which autograd
+    # would otherwise fill with B * (2H + 3L + I) zeros every backward.
     ctx.save_for_backward(*inputs, output[3])
+    ctx.set_materialize_grads(False)
 
 
 def _vae_elbo_train_backward(ctx, grad_elbo, grad_recon, grad_kl, _grad_saved):
@@ -567,14 +621,10 @@ def _vae_elbo_train_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs_saved_
 
 _forbid_double_backward("vae_elbo_train", "fused_ops.reference.VAE")
 
-torch.library.register_autograd(
-    "fused_ops::vae_elbo_train",
-    _vae_elbo_train_backward,
-    setup_context=_vae_elbo_train_setup_context,
+_register_autograd(
+    torch.ops.fused_ops.vae_elbo_train.default, _vae_elbo_train_backward, _vae_elbo_train_setup_context
 )
 
 
-torch.library.register_autograd(
-    "fused_ops::vae_elbo", _vae_elbo_backward, setup_context=_vae_elbo_setup_context
-)
+_register_autograd(torch.ops.fused_ops.vae_elbo.default, _vae_elbo_backward, _vae_elbo_setup_context)
 _forbid_double_backward("vae_elbo", "fused_ops.reference.VAE")

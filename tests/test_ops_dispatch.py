@@ -1,7 +1,9 @@
 """The Python functions of fused_ops.ops skip the Python autograd kernel that
-torch.library.register_autograd installs when no gradient can flow, and only
-then (fused_ops.ops._call_op): same results, gradients and errors as calling
-torch.ops.fused_ops.* directly.
+torch.library.register_autograd installs (fused_ops.ops._call_op): below the
+Autograd key when no gradient can flow, through the op's eager
+torch.autograd.Function (ops._register_autograd) when one can.  Same results,
+gradients and errors as calling torch.ops.fused_ops.* directly, which goes
+through the registered kernel.
 """
 
 import contextlib
@@ -82,18 +84,55 @@ def test_plain_inputs_in_grad_mode_skip_it_too(name, device):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_calls_that_need_grad_go_through_autograd(name, device):
-    # Also the check that autograd_kernel_calls() sees the kernel at all: if
-    # torch moved it, this test fails instead of the two above passing
-    # vacuously.  (vae_elbo on the CPU takes the vae_elbo_train op.)
+def test_eager_calls_that_need_grad_use_the_ops_function(name, device):
+    # vae_elbo on the CPU takes the vae_elbo_train op (its Function is named so).
     fn, _, make, extra = CASES[name]
     args = make(device, requires_grad=True)
     with autograd_kernel_calls() as seen:
         out = _outputs(fn(*args, *extra))
-    assert seen, "the autograd kernel was not entered"
-    assert out[0].grad_fn is not None
-    grads = torch.autograd.grad(sum(o.sum() for o in out if o.dtype.is_floating_point), args)
+    assert seen == [], seen
+    assert type(out[0].grad_fn).__name__.startswith(name), type(out[0].grad_fn).__name__
+    grads = torch.autograd.grad(sum(o.sum() for o in out), args)
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_direct_op_calls_that_need_grad_go_through_the_registered_kernel(name, device):
+    # Also the check that autograd_kernel_calls() sees the kernel at all: if
+    # torch moved it, this test fails instead of the others passing vacuously.
+    _, op, make, extra = CASES[name]
+    args = make(device, requires_grad=True)
+    with autograd_kernel_calls() as seen:
+        out = _outputs(op(*args, *extra))
+    assert seen, "the autograd kernel was not entered"
+    assert "GeneratedBackward" in type(out[0].grad_fn).__name__
+
+
+@pytest.mark.parametrize("used", ["all-outputs", "first-output"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_eager_function_and_registered_kernel_give_identical_gradients(name, used, device):
+    # Both routes run the same setup_context and backward; with one output
+    # used the others' gradients reach the backward op as None (neither route
+    # materialises them).
+    fn, op, make, extra = CASES[name]
+    if name == "vae_elbo" and device == "cpu":
+        op = torch.ops.fused_ops.vae_elbo_train.default  # what fused_ops.vae_elbo takes there
+    args = make(device, requires_grad=True)
+    eager = _outputs(fn(*args, *extra))
+    with autograd_kernel_calls() as seen:
+        direct = _outputs(op(*args, *extra))[: len(eager)]
+    assert seen
+    for e, d in zip(eager, direct):
+        torch.testing.assert_close(e, d, rtol=0, atol=0)
+    picked = range(len(eager)) if used == "all-outputs" else range(1)
+    upstream = [torch.randn_like(eager[i]) for i in picked]
+    grads_eager = torch.autograd.grad([eager[i] for i in picked], args, upstream)
+    with autograd_kernel_calls() as seen:
+        grads_direct = torch.autograd.grad([direct[i] for i in picked], args, upstream)
+    assert seen
+    for a, ge, gd in zip(args, grads_eager, grads_direct):
+        assert ge.shape == a.shape and torch.isfinite(ge).all()
+        torch.testing.assert_close(ge, gd, rtol=0, atol=0)
 
 
 def test_under_grad_mode_off_inputs_that_require_grad_give_plain_outputs(device):

@@ -1,0 +1,99 @@
+"""torch.func's reverse-mode transforms through the fused ops' Python
+functions: grad and vjp give torch.autograd's gradients, vmap of grad gives
+per-sample gradients, and a second derivative is refused with the ops'
+double-backward error.
+
+They work because eager calls run each op, and its backward op, as a
+torch.autograd.Function with a setup_context staticmethod and a generated
+vmap rule (fused_ops.ops._register_autograd), which functorch requires; the
+Function torch.library.register_autograd generates has neither, so torch
+refuses torch.ops.fused_ops.* called directly under torch.func.grad.
+"""
+
+import pytest
+import torch
+
+import fused_ops
+from fused_test_utils import make_inputs
+from test_flow_euler import make_args as make_flow_args
+from test_vae_elbo import make_inputs as make_vae_inputs
+
+# (Python function, inputs, extra scalar arguments)
+CASES = {
+    "importance_sampling": (fused_ops.importance_sampling, lambda d: make_inputs(37, 5, 3, device=d), ()),
+    "flow_euler": (fused_ops.flow_euler, lambda d: make_flow_args(3, 4, 9, device=d), (3,)),
+    "vae_elbo": (fused_ops.vae_elbo, lambda d: make_vae_inputs(4, 6, 5, 3, device=d), ()),
+}
+
+
+def _outputs(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _loss(fn, scalars, upstream):
+    """A scalar that weights every output of ``fn`` by a fixed random tensor."""
+
+    def loss(*args):
+        return sum((o * u).sum() for o, u in zip(_outputs(fn(*args, *scalars)), upstream))
+
+    return loss
+
+
+def _autograd_grads(loss, args):
+    leaves = [a.detach().requires_grad_() for a in args]
+    return torch.autograd.grad(loss(*leaves), leaves)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_func_grad_equals_autograd(name, device):
+    fn, make, scalars = CASES[name]
+    args = make(device)
+    upstream = [torch.randn_like(o) for o in _outputs(fn(*args, *scalars))]
+    loss = _loss(fn, scalars, upstream)
+    got = torch.func.grad(loss, argnums=tuple(range(len(args))))(*args)
+    expected = _autograd_grads(loss, args)
+    assert len(got) == len(args)
+    for a, g, e in zip(args, got, expected):
+        assert g.shape == a.shape and torch.isfinite(g).all()
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_func_vjp_equals_autograd(name, device):
+    fn, make, scalars = CASES[name]
+    args = make(device)
+    out, vjp_fn = torch.func.vjp(lambda *a: fn(*a, *scalars), *args)
+    for o, e in zip(_outputs(out), _outputs(fn(*args, *scalars))):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+    upstream = [torch.randn_like(o) for o in _outputs(out)]
+    got = vjp_fn(tuple(upstream) if isinstance(out, tuple) else upstream[0])
+    expected = _autograd_grads(_loss(fn, scalars, upstream), args)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_func_grad_of_grad_raises(name, device):
+    fn, make, scalars = CASES[name]
+    args = make(device)
+    upstream = [torch.randn_like(o) for o in _outputs(fn(*args, *scalars))]
+    first = torch.func.grad(_loss(fn, scalars, upstream))
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.func.grad(lambda *a: first(*a).sum())(*args)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's per-sample loop fallback
+@pytest.mark.parametrize("name", list(CASES))
+def test_vmap_of_grad_gives_per_sample_gradients(name, device):
+    # Per-sample gradients: a batch of three independent problems, each
+    # input perturbed differently per problem.
+    fn, make, scalars = CASES[name]
+    args = make(device)
+    batched = [a + 0.01 * torch.rand(3, *a.shape, dtype=a.dtype, device=a.device) for a in args]
+    upstream = [torch.randn_like(o) for o in _outputs(fn(*args, *scalars))]
+    grad = torch.func.grad(_loss(fn, scalars, upstream), argnums=tuple(range(len(args))))
+    got = torch.func.vmap(grad)(*batched)
+    for j in range(3):
+        expected = _autograd_grads(_loss(fn, scalars, upstream), [b[j] for b in batched])
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g[j], e, rtol=0, atol=0)
