@@ -102,38 +102,50 @@ def _call_op(op, tensors, *scalars):
         return op(*tensors, *scalars)
     _reject_forward_ad(op, tensors)
     if _needs_grad(tensors):
-        function = _EAGER_AUTOGRAD.get(op)
-        return op(*tensors, *scalars) if function is None else function.apply(*tensors, *scalars)
+        functions = _EAGER_AUTOGRAD.get(op)
+        if functions is None:
+            return op(*tensors, *scalars)
+        plain, transformable = functions
+        function = transformable if torch._C._are_functorch_transforms_active() else plain
+        return function.apply(*tensors, *scalars)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*tensors, *scalars)
 
 
-# op -> the torch.autograd.Function that eager calls needing gradients use.
+# op -> (plain, transformable): the torch.autograd.Functions that eager calls
+# needing gradients use, outside and inside torch.func transforms.
 _EAGER_AUTOGRAD = {}
 
 
 def _register_autograd(op, backward, setup_context):
     """``torch.library.register_autograd(op, backward, setup_context)``, and
-    the same pair as a ``torch.autograd.Function`` (named after the op) that
+    the same pair as ``torch.autograd.Function``s (named after the op) that
     eager calls through :func:`_call_op` use when a gradient can flow.
 
     The registration is what ``torch.ops.fused_ops.*`` called directly and
-    ``torch.compile`` use.  The Function skips the Python that the kernel
+    ``torch.compile`` use.  The Functions skip the Python that the kernel
     register_autograd installs runs on every call: its ``fill_defaults``
     rebuilds the schema's argument list once per argument (~28 us per
-    ``vae_elbo`` call on a 2-core VM), and it redispatches from Python.  On
-    the H200 host a VAE training step at B=128 took ~100 us less this way
-    (bench/results/nvidia-h200-gpu-run.txt, seventeenth session, run 1).
+    ``vae_elbo`` call on a 2-core VM), and it redispatches from Python.
     Both routes run the same ``setup_context`` and backward, and the tests
-    check that they give bitwise the same gradients.  The Function's forward
+    check that they give bitwise the same gradients.  The Functions' forward
     runs the op below the Autograd key: inside it grad mode is off, and the
     registered kernel would otherwise be entered just to redispatch.
 
-    The Function also opens the ops to ``torch.func``: functorch needs a
-    ``setup_context`` staticmethod (which the generated Function lacks) for
-    ``grad``/``vjp``, and a vmap rule for ``vmap`` of ``grad`` (per-sample
-    gradients); ``generate_vmap_rule`` runs forward and backward under vmap,
-    where the ops take torch's per-sample fallback.
+    Two Functions, because the form torch.func needs costs time on every
+    call: functorch requires a ``setup_context`` staticmethod (which the
+    Function register_autograd generates lacks, so ``torch.func.grad`` over
+    ``torch.ops.fused_ops.*`` is refused) and, for ``vmap`` of ``grad``
+    (per-sample gradients), a vmap rule (``generate_vmap_rule``: forward and
+    backward run under vmap, where the ops take torch's per-sample
+    fallback); but ``Function.apply`` binds a ``setup_context`` Function's
+    arguments through ``inspect.signature`` on every call (~14 us of 21 for
+    12 tensors on a 2-core VM).  So the plain Function calls
+    ``setup_context`` from its own forward, and the transformable one is
+    used only while a torch.func transform is active.  A VAE training step
+    at B=128 on the H200 host, in rounds alternating the routes (median of
+    7): registered kernel 787 us, transformable Function 682, plain 602
+    (bench/results/nvidia-h200-gpu-run.txt, seventeenth session, run 3).
     """
     torch.library.register_autograd(op, backward, setup_context=setup_context)
 
@@ -141,7 +153,17 @@ def _register_autograd(op, backward, setup_context):
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
-    _EAGER_AUTOGRAD[op] = type(
+    def forward_with_context(ctx, *args):
+        output = forward(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    plain = type(
+        op._opname,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward_with_context), "backward": staticmethod(backward)},
+    )
+    transformable = type(
         op._opname,
         (torch.autograd.Function,),
         {
@@ -151,6 +173,7 @@ def _register_autograd(op, backward, setup_context):
             "generate_vmap_rule": True,
         },
     )
+    _EAGER_AUTOGRAD[op] = (plain, transformable)
 
 
 # ---------------------------------------------------------------------------
