@@ -1,7 +1,8 @@
 """torch.func's reverse-mode transforms through the fused ops' Python
-functions: grad and vjp give torch.autograd's gradients, vmap of grad gives
-per-sample gradients, and a second derivative is refused with the ops'
-double-backward error.
+functions and modules: grad and vjp give torch.autograd's gradients, vmap of
+grad gives per-sample gradients (also of a module through functional_call,
+equal to the reference module's), jacrev the reference's Jacobian, and a
+second derivative is refused with the ops' double-backward error.
 
 They work because eager calls run each op, and its backward op, as a
 torch.autograd.Function with a setup_context staticmethod and a generated
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 import fused_ops
+import fused_ops.nn
+import fused_ops.reference
 from fused_test_utils import make_inputs
 from test_flow_euler import make_args as make_flow_args
 from test_vae_elbo import make_inputs as make_vae_inputs
@@ -97,3 +100,38 @@ def test_vmap_of_grad_gives_per_sample_gradients(name, device):
         expected = _autograd_grads(_loss(fn, scalars, upstream), [b[j] for b in batched])
         for g, e in zip(got, expected):
             torch.testing.assert_close(g[j], e, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_per_sample_gradients_of_the_vae_module_match_the_reference(device):
+    # The usual recipe (e.g. for DP-SGD): vmap over the batch of grad of a
+    # functional_call of the module, here on the fused module and on the
+    # reference with the same parameters, in float64.
+    torch.manual_seed(0)
+    fused = fused_ops.nn.VAE(6, 5, 3).double().to(device)
+    ref = fused_ops.reference.VAE(6, 5, 3).double().to(device)
+    ref.load_state_dict(fused.state_dict())
+    params = {k: v.detach() for k, v in fused.named_parameters()}
+    x = torch.rand(4, 6, dtype=torch.float64, device=device)
+    eps = torch.randn(4, 3, dtype=torch.float64, device=device)
+
+    def per_sample(model):
+        def loss(p, xi, ei):
+            return -torch.func.functional_call(model, p, (xi[None], ei[None]))[0].sum()
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, eps)
+
+    got, expected = per_sample(fused), per_sample(ref)
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert got[name].shape == (4, *params[name].shape)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_jacrev_of_importance_sampling_matches_the_reference(device):
+    samples, *rest = make_inputs(9, 3, 2, dtype=torch.float64, device=device)
+    jac = torch.func.jacrev(lambda s: fused_ops.importance_sampling(s, *rest)[0])(samples)
+    expected = torch.func.jacrev(lambda s: fused_ops.reference.importance_sampling(s, *rest)[0])(samples)
+    assert jac.shape == (3, 9, 3)
+    torch.testing.assert_close(jac, expected, rtol=1e-9, atol=1e-12)
