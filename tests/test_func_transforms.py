@@ -18,19 +18,8 @@ import fused_ops
 import fused_ops.nn
 import fused_ops.reference
 from fused_test_utils import make_inputs
-from test_flow_euler import make_args as make_flow_args
-from test_vae_elbo import make_inputs as make_vae_inputs
-
-# (Python function, inputs, extra scalar arguments)
-CASES = {
-    "importance_sampling": (fused_ops.importance_sampling, lambda d: make_inputs(37, 5, 3, device=d), ()),
-    "flow_euler": (fused_ops.flow_euler, lambda d: make_flow_args(3, 4, 9, device=d), (3,)),
-    "vae_elbo": (fused_ops.vae_elbo, lambda d: make_vae_inputs(4, 6, 5, 3, device=d), ()),
-}
-
-
-def _outputs(result):
-    return result if isinstance(result, tuple) else (result,)
+from test_forward_ad import CASES  # (Python function, inputs, extra scalar arguments)
+from test_ops_dispatch import _outputs
 
 
 def _loss(fn, scalars, upstream):

@@ -61,6 +61,13 @@ def _outputs(result):
     return result if isinstance(result, tuple) else (result,)
 
 
+def _op_taken(name, op, device):
+    """The op the Python function ``name`` calls: ``op``, except for
+    vae_elbo on the CPU, which takes the vae_elbo_train op when a gradient
+    can flow."""
+    return torch.ops.fused_ops.vae_elbo_train.default if name == "vae_elbo" and device == "cpu" else op
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_grad_calls_skip_the_autograd_kernel_with_identical_results(name, device):
     fn, op, make, extra = CASES[name]
@@ -88,8 +95,7 @@ def test_eager_calls_that_need_grad_use_the_ops_plain_function(name, device):
     # The plain Function, not the torch.func one (whose apply binds its
     # arguments through inspect.signature on every call).
     fn, op, make, extra = CASES[name]
-    if name == "vae_elbo" and device == "cpu":
-        op = torch.ops.fused_ops.vae_elbo_train.default  # what fused_ops.vae_elbo takes there
+    op = _op_taken(name, op, device)
     args = make(device, requires_grad=True)
     with autograd_kernel_calls() as seen:
         out = _outputs(fn(*args, *extra))
@@ -119,8 +125,7 @@ def test_eager_function_and_registered_kernel_give_identical_gradients(name, use
     # used the others' gradients reach the backward op as None (neither route
     # materialises them).
     fn, op, make, extra = CASES[name]
-    if name == "vae_elbo" and device == "cpu":
-        op = torch.ops.fused_ops.vae_elbo_train.default  # what fused_ops.vae_elbo takes there
+    op = _op_taken(name, op, device)
     args = make(device, requires_grad=True)
     eager = _outputs(fn(*args, *extra))
     with autograd_kernel_calls() as seen:
