@@ -109,7 +109,8 @@ inline void check_same_float_dtype_and_device(std::initializer_list<NamedTensor>
   FUSED_OPS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, first_name,
                   " must be float32 or float64, got ", dtype_str(dtype));
   const ShimTensorInfo want(first);
-  for (const auto& [t, name] : tensors) {
+  for (auto it = tensors.begin() + 1; it != tensors.end(); ++it) {
+    const auto& [t, name] = *it;
     const ShimTensorInfo got(t);
     FUSED_OPS_CHECK(got.dtype == want.dtype, name, " must have the same dtype as ", first_name,
                     " (", dtype_str(dtype), "), got ", dtype_str(t.scalar_type()));
