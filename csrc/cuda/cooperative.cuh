@@ -6,9 +6,6 @@
 
 #include "cuda/runtime.cuh"
 
-#include <algorithm>
-#include <map>
-#include <mutex>
 #include <tuple>
 
 namespace fused_ops {
@@ -20,23 +17,16 @@ namespace cuda {
 // (kernel, block size, shared memory, device).
 template <typename Kernel>
 int64_t max_resident_blocks(Kernel kernel, int threads, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, size_t, int>, int64_t> cache;
+  static Memo<std::tuple<const void*, int, size_t, int>, int64_t> memo;
   const int device = current_device();
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, device);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  if (smem > 48 * 1024) {
-    FUSED_OPS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  }
-  int per_sm = 0;
-  FUSED_OPS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  FUSED_OPS_CHECK(per_sm > 0, "fused_ops: kernel does not fit on this GPU (", threads, " threads, ", smem,
-              " bytes of shared memory per block)");
-  const int64_t blocks = int64_t(per_sm) * multiprocessor_count(device);
-  cache.emplace(key, blocks);
-  return blocks;
+  return memo.get(std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, device), [&] {
+    allow_dynamic_smem(kernel, smem);
+    int per_sm = 0;
+    FUSED_OPS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    FUSED_OPS_CHECK(per_sm > 0, "fused_ops: kernel does not fit on this GPU (", threads, " threads, ", smem,
+                    " bytes of shared memory per block)");
+    return int64_t(per_sm) * multiprocessor_count(device);
+  });
 }
 
 // Cooperative launch of kernel(args) on the current stream; grid <= max_resident_blocks.

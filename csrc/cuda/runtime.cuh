@@ -43,6 +43,33 @@ inline int current_device() {
   return device;
 }
 
+// Values worked out once per key and kept for the process: device facts,
+// occupancies, launch plans.  Each query behind them costs about as much as
+// a launch (cudaDeviceGetAttribute, the occupancy API), a sizeable share of
+// a small call, and their answers never change for a key that names the
+// device.  Thread-safe; `compute` runs outside the lock (it may consult
+// other memos, and it may throw: then nothing is kept).  Two threads that
+// miss at once both compute; the first answer stays.
+template <typename Key, typename Value>
+class Memo {
+ public:
+  template <typename Compute>
+  Value get(const Key& key, Compute&& compute) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = map_.find(key);
+      if (it != map_.end()) return it->second;
+    }
+    Value value = compute();
+    std::lock_guard<std::mutex> lock(mutex_);
+    return map_.emplace(key, std::move(value)).first->second;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<Key, Value> map_;
+};
+
 // Makes a CUDA tensor's device current for the scope of an op wrapper.  A
 // CPU tensor (the first argument of a CPU/CUDA mix, which the argument
 // checks then name) leaves the device alone, and so does the common case
@@ -78,17 +105,13 @@ inline int multiprocessor_count(int device) {
 // An attribute of the current device (compute capability, opt-in shared
 // memory per block, ...), cached per (device, attribute).
 inline int device_attribute(cudaDeviceAttr attr) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, int> cache;
+  static Memo<std::pair<int, int>, int> memo;
   const int device = current_device();
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, int(attr));
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int value = 0;
-  FUSED_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
-  cache.emplace(key, value);
-  return value;
+  return memo.get({device, int(attr)}, [&] {
+    int value = 0;
+    FUSED_OPS_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
+    return value;
+  });
 }
 
 inline int compute_capability_major() {
@@ -101,7 +124,9 @@ inline size_t max_shared_memory_per_block() {  // with the opt-in attribute set
 
 // Sets a kernel's dynamic shared memory limit to at least `smem` on the
 // current device, once per (kernel, device, size): above 48 KB a kernel must
-// opt in before launch.
+// opt in before launch.  Not a Memo: the attribute is one value per kernel
+// that only ever rises here (setting a smaller one would lower the limit a
+// larger launch of the same kernel relies on).
 template <typename Kernel>
 void allow_dynamic_smem(Kernel kernel, size_t smem) {
   if (smem <= 48 * 1024) return;
@@ -156,36 +181,25 @@ struct ClusterLaunch {
 // costs about as much as a launch.
 template <typename Kernel>
 int max_active_clusters(Kernel kernel, int cluster, int threads, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int, size_t, int>, int> cache;
-  const int device = current_device();
-  const auto key =
-      std::make_tuple(reinterpret_cast<const void*>(kernel), cluster, threads, smem, device);
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  bool ok = smem <= max_shared_memory_per_block();
-  if (ok) {
+  static Memo<std::tuple<const void*, int, int, size_t, int>, int> memo;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), cluster, threads, smem,
+                                   current_device());
+  return memo.get(key, [&] {
+    if (smem > max_shared_memory_per_block()) return 0;
     allow_dynamic_smem(kernel, smem);
     if (cluster > 8 &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
       (void)cudaGetLastError();
-      ok = false;
+      return 0;
     }
-  }
-  int clusters = 0;
-  if (ok) {
+    int clusters = 0;
     const ClusterLaunch launch(cluster, cluster, threads, smem, nullptr);
     if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.cfg) != cudaSuccess) {
       (void)cudaGetLastError();  // an unsupported size is an answer, not an error
       clusters = 0;
     }
-  }
-  std::lock_guard<std::mutex> lock(mutex);
-  cache.emplace(key, clusters);
-  return clusters;
+    return clusters;
+  });
 }
 
 // Whether at least one such cluster can be resident (the launch can run).

@@ -984,16 +984,9 @@ bool launch_cluster(const Args<float>& a) {
                    aligned16(a.w_d1) && aligned16(a.w_d2);
   const int64_t tiles = (int64_t(a.B) + kRows - 1) / kRows;
   const int device = cuda::current_device();
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int, int, bool, int64_t>, ClusterPlan> plans;
-  ClusterPlan plan;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_tuple(device, a.I, a.H, a.L, vec, tiles);
-    const auto it = plans.find(key);
-    plan = it != plans.end() ? it->second
-                             : plans.emplace(key, plan_cluster(a.I, a.H, a.L, vec, tiles)).first->second;
-  }
+  static cuda::Memo<std::tuple<int, int, int, int, bool, int64_t>, ClusterPlan> plans;
+  const ClusterPlan plan = plans.get(std::make_tuple(device, a.I, a.H, a.L, vec, tiles),
+                                     [&] { return plan_cluster(a.I, a.H, a.L, vec, tiles); });
   if (plan.cluster == 0) return false;
   cuda::ClusterLaunch launch(tiles * plan.cluster, plan.cluster, kThreads, plan.smem,
                              cuda::current_stream(device));
