@@ -86,8 +86,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <map>
-#include <mutex>
 #include <tuple>
 #include <type_traits>
 

@@ -63,8 +63,6 @@
 #include <algorithm>
 #include <array>
 #include <climits>
-#include <map>
-#include <mutex>
 #include <utility>
 #include <tuple>
 #include <type_traits>
