@@ -16,6 +16,8 @@
 #                        once (files dealt round-robin; one log per shard)
 #   SKIP_TESTS=1         no test stage (e.g. a sanitizer-only or timing-only run)
 #   SANITIZE_TOOLS=none  no compute-sanitizer stage
+#   SANITIZE_TIMEOUT=420 seconds per sanitizer tool (racecheck over every group took
+#                        ~250 s on the H200, eighteenth session's runs 5-6)
 #   KERNEL_ARGS="--train --ops vae"   arguments of the kernel-timing stage
 #   COMPARE_WITH=old.tar.gz COMPARE_ARGS="--device cuda --ops importance_sampling --no-compile"
 #       also builds that source tree (a `git archive` of another commit) in
@@ -114,7 +116,7 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
 fi
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   [[ $tool == none ]] && continue
-  stage "$tool" timeout ${SANITIZE_TIMEOUT:-180} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py" ${SANITIZE_GROUPS:-}
+  stage "$tool" timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py" ${SANITIZE_GROUPS:-}
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
 if [[ -n "${COMPARE_WITH:-}" ]]; then
