@@ -139,12 +139,6 @@ struct ImportanceSamplingBackwardCall {
     grad_q_std = empty_like_device(samples, {D});
   }
 
-  // Data pointer of an optional upstream gradient, nullptr when it is absent (zero).
-  template <typename T>
-  static const T* optional_ptr(const std::optional<Tensor>& t) {
-    return t ? cdata<T>(*t) : nullptr;
-  }
-
   ImportanceSamplingGrads result() const {
     return {grad_x, grad_mix_weights, grad_mix_mus, grad_mix_stds, grad_q_mu, grad_q_std};
   }

@@ -60,12 +60,6 @@ struct VaeElboBackwardCall : VaeElboInputs {
     gb_dec2 = empty_like_device(x_, {I});
   }
 
-  // Pointer to an upstream gradient's data, nullptr where it is None.
-  template <typename T>
-  static const T* ptr(const std::optional<Tensor>& g) {
-    return g.has_value() ? cdata<T>(*g) : nullptr;
-  }
-
   VaeElboBackwardResult result() const {
     return {gx,    geps,      gw_enc,    gb_enc,  gw_mu,   gb_mu,
             gw_logvar, gb_logvar, gw_dec1, gb_dec1, gw_dec2, gb_dec2};

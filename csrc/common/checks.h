@@ -15,6 +15,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <sstream>
 #include <string>
@@ -129,6 +130,12 @@ const T* cdata(const Tensor& t) {
 template <typename T>
 T* mdata(const Tensor& t) {
   return static_cast<T*>(t.mutable_data_ptr());
+}
+// An optional tensor's data (an upstream gradient that may be None), or
+// nullptr when it is absent: the backward kernels read that as zero.
+template <typename T>
+const T* cdata_or_null(const std::optional<Tensor>& t) {
+  return t ? cdata<T>(*t) : nullptr;
 }
 
 // A contiguous view of t: no call into torch when it already is (the common

@@ -286,10 +286,9 @@ ImportanceSamplingGrads importance_sampling_backward_cpu(
                                    log_weights);
   dispatch_float(samples.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    using Call = ImportanceSamplingBackwardCall;
-    const BackwardArgs<T> args{Call::optional_ptr<T>(c.grad_mean),
-                               Call::optional_ptr<T>(c.grad_ess),
-                               Call::optional_ptr<T>(c.grad_lw),
+    const BackwardArgs<T> args{cdata_or_null<T>(c.grad_mean),
+                               cdata_or_null<T>(c.grad_ess),
+                               cdata_or_null<T>(c.grad_lw),
                                cdata<T>(c.x),
                                cdata<T>(c.mix_weights),
                                cdata<T>(c.weighted_mean),

@@ -199,9 +199,9 @@ void vae_elbo_backward_kernel(const VaeElboBackwardCall& c, const T* saved = nul
   T* h_ptr = saved ? const_cast<T*>(saved + lay.h) : h.data();
   T* g_ptr = saved ? const_cast<T*>(saved + lay.g) : g.data();
   T* z_ptr = saved ? const_cast<T*>(saved + lay.z) : z.data();
-  BwdArgs<T> a{VaeElboBackwardCall::ptr<T>(c.g_elbo),
-               VaeElboBackwardCall::ptr<T>(c.g_recon),
-               VaeElboBackwardCall::ptr<T>(c.g_kl),
+  BwdArgs<T> a{cdata_or_null<T>(c.g_elbo),
+               cdata_or_null<T>(c.g_recon),
+               cdata_or_null<T>(c.g_kl),
                cdata<T>(c.x),
                cdata<T>(c.eps),
                cdata<T>(c.w_enc),

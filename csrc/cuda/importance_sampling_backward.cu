@@ -306,11 +306,10 @@ importance_sampling_backward_kernel(const BackwardArgs<T> a) {
 
 template <typename T>
 void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c) {
-  using Call = ImportanceSamplingBackwardCall;
   BackwardArgs<T> a{};
-  a.grad_mean = Call::optional_ptr<T>(c.grad_mean);
-  a.grad_ess = Call::optional_ptr<T>(c.grad_ess);
-  a.grad_lw = Call::optional_ptr<T>(c.grad_lw);
+  a.grad_mean = cdata_or_null<T>(c.grad_mean);
+  a.grad_ess = cdata_or_null<T>(c.grad_ess);
+  a.grad_lw = cdata_or_null<T>(c.grad_lw);
   a.x = cdata<T>(c.x);
   a.mix_weights = cdata<T>(c.mix_weights);
   a.mix_mus = cdata<T>(c.mix_mus);

@@ -367,9 +367,9 @@ void vae_elbo_backward_launch(const VaeElboBackwardCall& c) {
   const T* w_enc = cdata<T>(c.w_enc);
   const T* w_d1 = cdata<T>(c.w_dec1);
   const T* w_d2 = cdata<T>(c.w_dec2);
-  const T* g_elbo = VaeElboBackwardCall::ptr<T>(c.g_elbo);
-  const T* g_recon = VaeElboBackwardCall::ptr<T>(c.g_recon);
-  const T* g_kl = VaeElboBackwardCall::ptr<T>(c.g_kl);
+  const T* g_elbo = cdata_or_null<T>(c.g_elbo);
+  const T* g_recon = cdata_or_null<T>(c.g_recon);
+  const T* g_kl = cdata_or_null<T>(c.g_kl);
   T* gx = mdata<T>(c.gx);
   T* geps = mdata<T>(c.geps);
 
