@@ -320,6 +320,8 @@ def test_outputs_fully_written(B, I, H, L, device):
 # ---------------------------------------------------------------------------
 # opcheck, meta, autograd
 # ---------------------------------------------------------------------------
+# gradcheck is test_vae_elbo_grad.py's, on draws where finite differences are
+# accurate (logits off saturation, ReLU inputs off 0: gradcheck_inputs).
 
 
 @pytest.mark.parametrize(
@@ -340,11 +342,6 @@ def test_meta_tensors():
     args = make_inputs(11, 5, 7, 3, device="meta")
     out = OP(*args)
     assert all(t.shape == (11,) and t.device.type == "meta" and t.dtype == torch.float32 for t in out)
-
-
-def test_gradcheck(device):
-    args = make_inputs(3, 5, 4, 2, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(fused, args, eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
 def test_grad_matches_reference(device):
