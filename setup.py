@@ -167,7 +167,8 @@ TORCH_TARGET_VERSION = f"0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 
 
 def extensions():
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # Every source under csrc/ is compiled: a new kernel file needs no entry here.
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/**/*.cpp", recursive=True))
     # torch picks the C++ standard.  The CPU kernels parallelise through
     # torch::stable::parallel_for (torch's own thread pool), so no OpenMP here.
     # -fvisibility=hidden: the stable ABI's types are hidden, and nothing but
@@ -178,7 +179,7 @@ def extensions():
     extension = CppExtension
     if WITH_CUDA:
         extension = CUDAExtension
-        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        sources += sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True))
         isystem = [f for d in cuda_library_include_dirs() for f in ("-isystem", d)]
         compile_args["cxx"] += isystem
         # No --use_fast_math: expf/logf must stay accurate, the ops are compared

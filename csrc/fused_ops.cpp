@@ -1,18 +1,114 @@
-// The schema of every fused_ops operator, in one place.  Kernels register
-// against these names from cpu/*.cpp and cuda/*.cu with TORCH_LIBRARY_IMPL;
-// fake (meta) implementations and autograd live in Python (fused_ops/ops.py).
+// \brief The schema of every fused_ops operator, in one place.  Kernels register
+// against these names from cpu/<op>/*.cpp and cuda/<op>/*.cu with
+// STABLE_TORCH_LIBRARY_IMPL; fake (meta) implementations and autograd live in
+// Python (fused_ops/<op>.py).
 
 #include <Python.h>
 #include <torch/csrc/stable/library.h>
 
-// A Python module with no functions: importing fused_ops._C loads this shared
+#include <cstring>
+#include <string>
+
+#include "common/dispatch.h"
+
+// A Python module: importing fused_ops._C loads this shared
 // library, whose static initialisers register the ops with the dispatcher.
 // Built against the Python limited API (Py_LIMITED_API, setup.py), so the one
 // abi3 shared library loads into every CPython from 3.10 on; the ops register
 // through the LibTorch stable ABI, so it also loads into several torch releases.
+//
+// Its only functions are the kernel-path debug hook (common/dispatch.h),
+// wrapped by fused_ops/_paths.py: list a table's paths, force one, ask which
+// one the latest call took.
+namespace {
+
+using fused_ops::dispatch::TableInfo;
+
+TableInfo* table_arg(PyObject* args, const char** name) {
+  const char *op = nullptr, *device = nullptr;
+  if (name ? !PyArg_ParseTuple(args, "ssz", &op, &device, name) : !PyArg_ParseTuple(args, "ss", &op, &device)) {
+    return nullptr;
+  }
+  TableInfo* t = fused_ops::dispatch::find_table(op, device);
+  if (!t) PyErr_Format(PyExc_KeyError, "fused_ops has no kernel-path table for %s on %s", op, device);
+  return t;
+}
+
+PyObject* str_or_none(const char* s) {
+  if (s) return PyUnicode_FromString(s);
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
+// _paths(op, device) -> [(name, when, why), ...] in the table's order.
+PyObject* py_paths(PyObject*, PyObject* args) {
+  TableInfo* t = table_arg(args, nullptr);
+  if (!t) return nullptr;
+  PyObject* list = PyList_New(0);
+  for (size_t i = 0; list && i < t->names.size(); ++i) {
+    PyObject* row = Py_BuildValue("(sss)", t->names[i], t->when[i], t->why[i]);
+    if (!row || PyList_Append(list, row) != 0) Py_CLEAR(list);
+    Py_XDECREF(row);
+  }
+  return list;
+}
+
+// _force_path(op, device, name or None): later calls take that path (None: the table's choice).
+PyObject* py_force_path(PyObject*, PyObject* args) {
+  const char* name = nullptr;
+  TableInfo* t = table_arg(args, &name);
+  if (!t) return nullptr;
+  int index = -1;
+  if (name) {
+    for (size_t i = 0; i < t->names.size(); ++i) {
+      if (std::strcmp(t->names[i], name) == 0) index = int(i);
+    }
+    if (index < 0) {
+      std::string known;
+      for (const char* n : t->names) known += std::string(known.empty() ? "" : ", ") + n;
+      PyErr_Format(PyExc_ValueError, "%s (%s) has no kernel path '%s'; its paths: %s", t->op, t->device,
+                   name, known.c_str());
+      return nullptr;
+    }
+  }
+  t->forced.store(index, std::memory_order_relaxed);
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
+// _last_path(op, device) -> the path the latest call took, or None before any call.
+PyObject* py_last_path(PyObject*, PyObject* args) {
+  TableInfo* t = table_arg(args, nullptr);
+  if (!t) return nullptr;
+  const int last = t->last.load(std::memory_order_relaxed);
+  return str_or_none(last >= 0 ? t->names[last] : nullptr);
+}
+
+// _tables() -> [(op, device), ...]: every table this build registered.
+PyObject* py_tables(PyObject*, PyObject*) {
+  PyObject* list = PyList_New(0);
+  for (const TableInfo* t : fused_ops::dispatch::registry()) {
+    PyObject* row = Py_BuildValue("(ss)", t->op, t->device);
+    if (!row || PyList_Append(list, row) != 0) Py_CLEAR(list);
+    Py_XDECREF(row);
+    if (!list) break;
+  }
+  return list;
+}
+
+PyMethodDef kMethods[] = {
+    {"_paths", py_paths, METH_VARARGS, "(op, device) -> [(name, when, why)]"},
+    {"_force_path", py_force_path, METH_VARARGS, "(op, device, name or None)"},
+    {"_last_path", py_last_path, METH_VARARGS, "(op, device) -> name or None"},
+    {"_tables", py_tables, METH_NOARGS, "() -> [(op, device)]"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
 extern "C" {
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, kMethods};
   return PyModule_Create(&module_def);
 }
 }

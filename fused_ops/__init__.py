@@ -18,6 +18,8 @@ from ._loader import load_library as _load_library
 
 _load_library()
 
+from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OPS_FORCE_PATH)
+
 from . import nn, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 

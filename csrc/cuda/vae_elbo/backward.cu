@@ -41,9 +41,9 @@
 #include <optional>
 
 #include "common/matmul.h"
-#include "cuda/cooperative.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tile_gemm.cuh"
+#include "cuda/primitives/cooperative.cuh"
+#include "cuda/primitives/runtime.cuh"
+#include "cuda/primitives/tile_gemm.cuh"
 #include "vae_elbo_backward.h"
 
 namespace fused_ops {

@@ -39,9 +39,9 @@
 #include <algorithm>
 #include <climits>
 
-#include "cuda/cooperative.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tile_gemm.cuh"
+#include "cuda/primitives/cooperative.cuh"
+#include "cuda/primitives/runtime.cuh"
+#include "cuda/primitives/tile_gemm.cuh"
 #include "flow_euler_backward.h"
 
 namespace fused_ops {

@@ -21,7 +21,7 @@
 
 #include <cstdint>
 
-#include "cuda/reductions.cuh"  // kWarpSize
+#include "cuda/primitives/reductions.cuh"  // kWarpSize
 
 namespace fused_ops {
 namespace cuda {

@@ -68,12 +68,12 @@
 #include <type_traits>
 
 #include "common/bce.h"
-#include "cuda/dependent_launch.cuh"
-#include "cuda/mbarrier.cuh"
-#include "cuda/reductions.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tf32x3.cuh"
-#include "cuda/wgmma_stream.cuh"
+#include "cuda/primitives/dependent_launch.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/primitives/reductions.cuh"
+#include "cuda/primitives/runtime.cuh"
+#include "cuda/primitives/tf32x3.cuh"
+#include "cuda/primitives/wgmma_stream.cuh"
 #include "vae_elbo.h"
 
 namespace fused_ops {

@@ -31,8 +31,8 @@
 #include <climits>
 
 #include "common/logsumexp.h"
-#include "cuda/cooperative.cuh"
-#include "cuda/reductions.cuh"
+#include "cuda/primitives/cooperative.cuh"
+#include "cuda/primitives/reductions.cuh"
 #include "importance_sampling.h"
 
 namespace fused_ops {

@@ -29,7 +29,7 @@
 
 #include <cstdint>
 
-#include "cuda/mbarrier.cuh"
+#include "cuda/primitives/mbarrier.cuh"
 
 namespace fused_ops {
 namespace cuda {

@@ -17,10 +17,10 @@
 
 #include <cstdint>
 
-#include "cuda/mbarrier.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tf32x3.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/primitives/runtime.cuh"
+#include "cuda/primitives/tf32x3.cuh"
+#include "cuda/primitives/wgmma.cuh"
 
 namespace fused_ops {
 namespace cuda {

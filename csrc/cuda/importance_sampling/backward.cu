@@ -42,8 +42,8 @@
 #include <optional>
 
 #include "common/logsumexp.h"
-#include "cuda/cooperative.cuh"
-#include "cuda/reductions.cuh"
+#include "cuda/primitives/cooperative.cuh"
+#include "cuda/primitives/reductions.cuh"
 #include "importance_sampling.h"
 
 namespace fused_ops {

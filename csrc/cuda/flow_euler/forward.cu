@@ -89,13 +89,13 @@
 #include <tuple>
 #include <type_traits>
 
-#include "cuda/cp_async.cuh"
-#include "cuda/int_divider.cuh"
-#include "cuda/mbarrier.cuh"
-#include "cuda/reductions.cuh"
-#include "cuda/runtime.cuh"
-#include "cuda/tf32x3.cuh"
-#include "cuda/wgmma_stream.cuh"
+#include "cuda/primitives/cp_async.cuh"
+#include "cuda/primitives/int_divider.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/primitives/reductions.cuh"
+#include "cuda/primitives/runtime.cuh"
+#include "cuda/primitives/tf32x3.cuh"
+#include "cuda/primitives/wgmma_stream.cuh"
 #include "flow_euler.h"
 
 namespace fused_ops {

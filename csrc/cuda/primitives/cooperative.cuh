@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/runtime.cuh"
+#include "cuda/primitives/runtime.cuh"
 
 #include <tuple>
 
