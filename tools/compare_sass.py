@@ -100,11 +100,13 @@ def kernels(cuobjdump, files, archs, with_encoding):
                 continue
             if name is None or arch not in raw:
                 continue
+            # An instruction line starts with its address (/*0a30*/); the line
+            # after it carries the second half of its encoding.  Anything else
+            # (headers, the next section's banner) is not part of the kernel.
             enc = _ENCODING.search(line)
-            instr = _ADDR.sub("", _ENCODING.sub("", line)).strip()
-            if instr and not instr.startswith("."):
-                body.append([instr, enc.group(1) if enc else ""])
-            elif enc and body:  # the second half of an instruction's encoding
+            if _ADDR.search(line):
+                body.append([_ADDR.sub("", _ENCODING.sub("", line)).strip(), enc.group(1) if enc else ""])
+            elif enc and body and not line.split("/*")[0].strip():
                 body[-1][1] += enc.group(1)
     names = demangler(
         [n for per in raw.values() for n in per]
