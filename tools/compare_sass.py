@@ -82,8 +82,10 @@ def demangler(symbols):
 
 
 def kernels(cuobjdump, files, archs, with_encoding):
-    """{arch: {normalised name: [instruction lines]}} over all files."""
+    """({arch: {normalised name: [instruction lines]}} over all files,
+    [(arch, name, file) of every further copy of a kernel that differs from its first])."""
     raw = {a: OrderedDict() for a in archs}
+    copies = []
     for f in files:
         text = subprocess.run([cuobjdump, "-sass", f], capture_output=True, text=True).stdout
         arch, name, body = None, None, None
@@ -96,7 +98,13 @@ def kernels(cuobjdump, files, archs, with_encoding):
             if m:
                 name = m.group(1)
                 if arch in raw:
-                    body = raw[arch].setdefault(name, [])
+                    # A kernel of a shared header's template can sit in several
+                    # objects: the first copy is kept, the others must equal it.
+                    if name in raw[arch]:
+                        body = []
+                        copies.append((arch, name, f, body))
+                    else:
+                        body = raw[arch][name] = []
                 continue
             if name is None or arch not in raw:
                 continue
@@ -121,7 +129,8 @@ def kernels(cuobjdump, files, archs, with_encoding):
                 for i, e in body
             ]
             result[arch][names.get(name, name)] = lines
-    return result
+    differing = [(arch, names.get(name, name), f) for arch, name, f, body in copies if body != raw[arch][name]]
+    return result, differing
 
 
 def main(argv=None):
@@ -135,9 +144,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     tool = find_cuobjdump(args.cuobjdump)
-    old = kernels(tool, inputs(args.old), archs, not args.no_encoding)
-    new = kernels(tool, inputs(args.new), archs, not args.no_encoding)
+    old, old_copies = kernels(tool, inputs(args.old), archs, not args.no_encoding)
+    new, new_copies = kernels(tool, inputs(args.new), archs, not args.no_encoding)
     bad = 0
+    for side, copies in (("OLD", old_copies), ("NEW", new_copies)):
+        for arch, name, f in copies:
+            print(f"{arch}  {side} has a second, different copy of {name} in {f}")
+            bad += 1
     for arch in archs:
         o, n = old[arch], new[arch]
         same = 0
