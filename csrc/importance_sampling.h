@@ -1,5 +1,7 @@
-// fused_ops::importance_sampling: argument validation shared by the CPU and
-// CUDA wrappers, and the per-device entry points.
+// \brief fused_ops::importance_sampling and its backward: the argument checks
+// shared by the CPU and CUDA wrappers, and the call structs (checked sizes,
+// contiguous inputs, freshly allocated outputs) that the kernels and the CUDA
+// path tables (csrc/cuda/importance_sampling/) take.
 #pragma once
 
 #include <torch/csrc/stable/ops.h>

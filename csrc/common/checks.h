@@ -1,4 +1,6 @@
-// Argument checks shared by the CPU and CUDA wrappers of every op.
+// \brief Argument checks shared by the CPU and CUDA wrappers of every op, and
+// the small stable-ABI helpers they use (data pointers, contiguous views,
+// output allocation, float dtype dispatch).
 //
 // Every message names the argument and says what was expected, so a user who
 // passes the wrong thing sees which one (DESIGN.md section 4).
@@ -139,7 +141,7 @@ const T* cdata_or_null(const std::optional<Tensor>& t) {
 }
 
 // A contiguous view of t: no call into torch when it already is (the common
-// case; each stable-ABI op call is a boxed dispatcher call, ~1 us).
+// case; each stable-ABI op call is a boxed dispatcher call).
 inline Tensor as_contiguous(const Tensor& t) {
   return t.is_contiguous() ? t : torch::stable::contiguous(t);
 }

@@ -1,4 +1,4 @@
-// Streaming log-sum-exp arithmetic shared by the CPU and CUDA kernels.
+// \brief Streaming log-sum-exp arithmetic shared by the CPU and CUDA kernels.
 //
 // A partial result is (max, sum) with sum = sum_i exp(v_i - max).  Partials
 // merge associatively, which lets every kernel reduce in a fixed order and

@@ -1,4 +1,4 @@
-// Matrix products on raw row-major buffers through torch's own matmul
+// \brief Matrix products on raw row-major buffers through torch's own matmul
 // (MKL/OpenBLAS on CPU, cuBLAS on CUDA), via the LibTorch stable ABI.
 //
 // A product wraps the buffers in non-owning tensors (from_blob, no copy) and

@@ -1,4 +1,4 @@
-// Fixed-width SIMD lanes and branch-free exp/log for the CPU kernels.
+// \brief Fixed-width SIMD lanes and branch-free exp/log for the CPU kernels.
 //
 // Lanes<T, B> is a GCC/Clang vector of one B-byte register: 16 bytes (SSE2 /
 // NEON, the baseline of every x86-64 and AArch64 CPU) or 32 (AVX2).  Use a

@@ -1,4 +1,5 @@
-// CPU kernel of fused_ops::importance_sampling_backward.
+// \brief CPU kernel of fused_ops::importance_sampling_backward (the only CPU
+// path); the reference for the math of the CUDA backward.
 //
 // With w_i = exp(log_weights_i) (the saved, normalised forward output) and
 // lw_i = log_p_i - log_q_i the unnormalised log weights, the upstream

@@ -1,4 +1,4 @@
-// CPU kernel of fused_ops::importance_sampling.
+// \brief CPU kernel of fused_ops::importance_sampling (the only CPU path).
 //
 // Samples are cut into fixed-size chunks (independent of the thread count);
 // each chunk yields a partial (max, sum-exp, sum-exp^2, weighted sum of x) and

@@ -1,6 +1,7 @@
-// CUDA kernel of fused_ops::importance_sampling_backward: one cooperative
-// launch, three phases separated by grid barriers.  The math is in
-// cpu/importance_sampling_backward.cpp; in short, with g_i = dL/dlw_i,
+// \brief CUDA kernel of fused_ops::importance_sampling_backward, its only
+// path ("tiled" in the importance_sampling_backward/cuda table, for every
+// input): one cooperative launch, three phases separated by grid barriers.
+// The math is in cpu/importance_sampling/backward.cpp; in short, with g_i = dL/dlw_i,
 // coef_ik = g_i r_ik (r: the responsibilities, recomputed here) and
 // z_ikd = (x_id - mu_kd) / std_kd (row K: the proposal, with coef_iK = g_i):
 //
@@ -29,9 +30,10 @@
 // 2 w_i (S - w_i) / S^2 (S = sum_j w_j^2 = 1 / ess), which cancels near a
 // dominant sample: it runs in double, with S and w_i both from log_weights
 // (renormalised), never from the separately rounded forward output ess.  The
-// sums over samples (tile slices, tiles, blocks) run in double.  No atomics; every sum has a fixed
-// order, so results are bitwise reproducible for a given device and input
-// size.  Workspace: O(grid * (K + 1) * D).
+// sums over samples (tile slices, tiles, blocks) run in double.  No atomics;
+// every sum has a fixed order, so results are bitwise reproducible for a
+// given device and input size.  Workspace: O(grid * (K + 1) * D), bounded to
+// ~256 MB by capping the grid.
 
 #include <cooperative_groups.h>
 #include <torch/csrc/stable/library.h>
@@ -41,6 +43,7 @@
 #include <climits>
 #include <optional>
 
+#include "common/dispatch.h"
 #include "common/logsumexp.h"
 #include "cuda/primitives/cooperative.cuh"
 #include "cuda/primitives/reductions.cuh"
@@ -372,6 +375,20 @@ void importance_sampling_backward_launch(const ImportanceSamplingBackwardCall& c
   cuda::launch_cooperative(kernel, grid, kThreads, smem, a);
 }
 
+void launch_tiled(const ImportanceSamplingBackwardCall& c) {
+  dispatch_float(c.x.scalar_type(),
+                 [&](auto zero) { importance_sampling_backward_launch<decltype(zero)>(c); });
+}
+
+// One path: a table all the same, so that tests and tools can name and
+// report it like every other op's.
+const dispatch::PathTable<ImportanceSamplingBackwardCall, 1> kPaths(
+    "importance_sampling_backward", "cuda",
+    {{
+        {"tiled", "any input", "one cooperative launch over tiles of samples; no atomics, fixed-order sums",
+         dispatch::always<ImportanceSamplingBackwardCall>, launch_tiled},
+    }});
+
 ImportanceSamplingGrads importance_sampling_backward_cuda(
     const std::optional<Tensor>& grad_weighted_mean, const std::optional<Tensor>& grad_ess,
     const std::optional<Tensor>& grad_log_weights, const Tensor& samples,
@@ -385,8 +402,7 @@ ImportanceSamplingGrads importance_sampling_backward_cuda(
   FUSED_OPS_CHECK(c.D <= INT_MAX / 2 && c.K <= INT_MAX / 2,
                   "importance_sampling_backward: D and K must fit in int32, got D=", c.D,
                   ", K=", c.K);
-  dispatch_float(samples.scalar_type(),
-                 [&](auto zero) { importance_sampling_backward_launch<decltype(zero)>(c); });
+  kPaths.run(c);
   return c.result();
 }
 

@@ -1,5 +1,12 @@
-// Launch helpers for persistent kernels that synchronise the whole grid
-// (cooperative_groups::this_grid().sync()), shared by the CUDA ops.
+// \brief Launch helpers for persistent kernels that synchronise the whole
+// grid (cooperative_groups::this_grid().sync()): the largest grid that can be
+// resident, and the cooperative launch itself.
+//
+// Used by every kernel with grid barriers (importance_sampling forward and
+// backward, the vae_elbo backward chain, the flow backward).  A cooperative
+// launch fails unless every block is resident at once, so the grid is sized
+// from the occupancy API, memoised because the query is a driver call on the
+// host path of every small call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,9 +19,9 @@ namespace fused_ops {
 namespace cuda {
 
 // How many blocks of `kernel` can be resident on the current device at once:
-// the largest grid a cooperative launch accepts.  The occupancy query costs
-// about a microsecond, a sizeable share of a small call, so it is cached per
-// (kernel, block size, shared memory, device).
+// the largest grid a cooperative launch accepts.  The occupancy query is a
+// driver call, a sizeable share of a small call's host time, so it is cached
+// per (kernel, block size, shared memory, device).
 template <typename Kernel>
 int64_t max_resident_blocks(Kernel kernel, int threads, size_t smem) {
   static Memo<std::tuple<const void*, int, size_t, int>, int64_t> memo;

@@ -1,4 +1,4 @@
-// Asynchronous global -> shared copies (cp.async, sm_80+) for kernels that
+// \brief Asynchronous global -> shared copies (cp.async, sm_80+) for kernels that
 // stream operands through shared memory: the copy bypasses the registers, so
 // staging a chunk costs one instruction per 16 bytes instead of a load, a
 // store and their address arithmetic, and several chunks can be in flight.

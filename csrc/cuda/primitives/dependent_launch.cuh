@@ -1,5 +1,5 @@
-// Programmatic dependent launch (sm_90): a kernel launched with
-// ClusterLaunch::overlap_prior_kernel (cuda/runtime.cuh) may start on free
+// \brief Programmatic dependent launch (sm_90): a kernel launched with
+// ClusterLaunch::overlap_prior_kernel (cuda/primitives/runtime.cuh) may start on free
 // SMs while the kernel before it in the stream is still running, instead of
 // after it has drained.  What that hides is the launch itself and the
 // prologue before the first global-memory access (shared-memory setup,

@@ -1,4 +1,4 @@
-// Division by a run-time constant divisor, prepared on the host.
+// \brief Division by a run-time constant divisor, prepared on the host.
 //
 // A 32-bit integer division on the GPU is a ~20-instruction software
 // sequence.  Persistent kernels that map a flat thread index to (row, column,

@@ -1,4 +1,4 @@
-// Shared-memory transaction barriers (mbarrier, sm_90) and asynchronous
+// \brief Shared-memory transaction barriers (mbarrier, sm_90) and asynchronous
 // stores into another block of the cluster (st.async), for kernels whose
 // blocks exchange small slices of activations every step.
 //
@@ -10,8 +10,8 @@
 // on an mbarrier in the destination block, so a consumer waits only until
 // the bytes it needs have landed, and a producer never waits at all.
 //
-// Protocol for one exchange buffer (the split path in flow_euler.cu, the
-// cluster kernel in vae_elbo.cu): the consumer block's mbarrier expects one
+// Protocol for one exchange buffer (flow_euler's split path, vae_elbo's
+// cluster path): the consumer block's mbarrier expects one
 // arrival, which also declares the bytes its partners will store
 // (arrive_expect_tx), so the phase cannot complete before that declaration
 // even when their bytes land first (the transaction count may go negative
@@ -65,7 +65,7 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 // cluster scope) or at block scope (a barrier whose phase completes by this
 // block's own bulk copies, such as a weight ring: spares the L1
 // invalidation that a cluster-scope acquire costs on every wait, CCTL.IVALL
-// in the SASS: ncu, twelfth session's run 2).
+// in the SASS).
 template <bool kCluster>
 __device__ __forceinline__ void mbarrier_wait_at(uint64_t* bar, uint32_t parity) {
   const uint32_t a = smem_addr(bar);

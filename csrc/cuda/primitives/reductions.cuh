@@ -1,4 +1,6 @@
-// Warp- and block-level reductions shared by the CUDA kernels.
+// \brief Warp- and block-level reductions shared by the CUDA kernels: sums
+// and log-sum-exp merges over a group of lanes (xor butterfly), a warp, or a
+// block (per-warp partials through shared memory).
 //
 // All reductions combine values in a fixed pattern that does not depend on
 // timing, so kernels built on them are bitwise reproducible.  The xor

@@ -1,4 +1,4 @@
-// Host-side CUDA plumbing shared by the op wrappers, on the LibTorch stable
+// \brief Host-side CUDA plumbing shared by the op wrappers, on the LibTorch stable
 // ABI only (no ATen/c10 CUDA headers): error checks, the caller's current
 // stream, device facts.  Keeping this in one place is what lets one build of
 // the extension load into several torch releases.
@@ -73,9 +73,9 @@ class Memo {
 // Makes a CUDA tensor's device current for the scope of an op wrapper.  A
 // CPU tensor (the first argument of a CPU/CUDA mix, which the argument
 // checks then name) leaves the device alone, and so does the common case
-// of the tensor's device being current already: a DeviceGuard costs
-// 0.25-0.43 us per call on the H200 test host, cudaGetDevice a fraction of
-// that (sixteenth session's run 1).
+// of the tensor's device being current already: a DeviceGuard (a device
+// query and two device sets through the stable ABI) costs several times a
+// cudaGetDevice, which matters to calls that are host-bound.
 class TensorDeviceGuard {
  public:
   explicit TensorDeviceGuard(const torch::stable::Tensor& t) {
@@ -161,7 +161,7 @@ struct ClusterLaunch {
     cfg.numAttrs = 1;
   }
   // Programmatic dependent launch: the kernel may start while the previous
-  // one in the stream still runs (cuda/dependent_launch.cuh: it must call
+  // one in the stream still runs (cuda/primitives/dependent_launch.cuh: it must call
   // wait_prior_grids() before touching global memory).
   void overlap_prior_kernel() {
     attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;

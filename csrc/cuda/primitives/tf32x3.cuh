@@ -1,4 +1,4 @@
-// Tensor-core matrix products at float32 accuracy ("3xTF32"), shared by the
+// \brief Tensor-core matrix products at float32 accuracy ("3xTF32"), shared by the
 // CUDA kernels that run chains of small matrix products (flow_euler, vae_elbo).
 //
 // Why: a TF32 tensor-core product keeps only 10 mantissa bits of each operand,
@@ -32,16 +32,16 @@ namespace cuda {
 // operand's top 19 bits and ignores the low 13 (CUTLASS's "fast" 3xTF32
 // relies on the same), so small enters truncated to TF32 -- an error of at
 // most 2^-21 |x| in a term that is itself at most 2^-11 |x|, below what the
-// float32 accumulation loses (an emulation at K = 784 and 256: max error vs
-// float64 7.7e-7 and 5.2e-7, against 6.5e-7 / 4.5e-7 with small rounded and
-// 5.0e-7 / 4.3e-7 for float32 FMA).
+// float32 accumulation loses: the products' error against float64 stays of
+// the order of float32 FMA's.
 // The rounding is two integer instructions: adding half a TF32 ulp to the
 // magnitude bits and clearing the 13 dropped ones is that rounding for every
 // finite input (a carry into the exponent is the correct round-up, up to
 // inf past the largest TF32 value).  sm_90 has no single instruction for
 // the cvt: it compiles to five (an inf/NaN test and a select besides), and
-// with the split's second cvt the splits were a third of the flow tile
-// kernel's instructions (ncu source counters, run X).  A NaN x gives a NaN
+// with the split's second cvt the splits make up a large share of a
+// tensor-core kernel's instructions (the flow tile kernel's, by ncu's source
+// counters).  A NaN x gives a NaN
 // small part (x - big), so NaN still propagates; inf gives NaN, as the cvt
 // did (inf - inf).
 struct SplitTf32 {
@@ -116,7 +116,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
 // so no mma.sync waits on the one just before it (the three products of a
 // tile form a dependent chain).  n_valid must fold to a constant at the call
 // (a template argument of the caller): a run-time test around each
-// mma.sync makes the compiler fence every one with a WARPSYNC (run X).
+// mma.sync makes the compiler fence every one with a WARPSYNC.
 template <int M, int N>
 __device__ __forceinline__ void mma_3xtf32_tiles(float (&acc)[M][N][4], const uint32_t (&a_big)[M][4],
                                                  const uint32_t (&a_small)[M][4],

@@ -1,4 +1,4 @@
-// Block-level building blocks for persistent (grid-synchronised) kernels that
+// \brief Block-level building blocks for persistent (grid-synchronised) kernels that
 // run a chain of small matrix products in ONE launch: a block computes one
 // 32 x 32 tile of C = A @ B and hands every element to an epilogue functor,
 // or one 32-column strip of a column sum.  A phase is a list of such jobs; its
@@ -7,7 +7,7 @@
 // Why not cuBLAS: at training batch sizes of a few hundred rows the products
 // are tens of microseconds of GPU work, and each one costs a host-side call
 // through the dispatcher plus a launch; the whole chain in one cooperative
-// launch removes both (csrc/cuda/vae_elbo_backward.cu).
+// launch removes both (vae_elbo's backward, csrc/cuda/vae_elbo/).
 //
 // Numerics: plain FMA in T (float32 or float64), no tensor cores, each output
 // summed over k in increasing order: results do not depend on the grid size

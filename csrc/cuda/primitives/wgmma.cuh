@@ -1,10 +1,10 @@
-// Hopper warpgroup matrix products (wgmma, sm_90a) on TF32 operands in
+// \brief Hopper warpgroup matrix products (wgmma, sm_90a) on TF32 operands in
 // shared memory, the operand layout they read, and the pieces of a kernel
 // that streams packed weights through them (bottom).
 //
 // Why: on the H200 a CTA of two warpgroups issuing wgmma.m64nNk8 TF32
 // sustains ~917 multiply-adds per clock per SM, mma.sync.m16n8k8 ~470
-// (bench/wgmma_probe.cu, bench/results/nvidia-h200-wgmma-probe.txt):
+// (bench/results/nvidia-h200-wgmma-probe.txt):
 // for the 3xTF32 products of the tiled paths that is the difference between
 // being bound by the tensor cores and by everything around them.
 //
@@ -14,10 +14,10 @@
 // 16 bytes).  Float (r, k) of the block lies at core_offset(r, k): the two
 // core matrices of a group (k < 4, k >= 4) 128 bytes apart (the descriptor's
 // leading byte offset), groups 256 bytes apart (its stride byte offset).
-// Blocks of consecutive k-steps follow each other, R * 8 floats apart.  The
-// run-1 probe confirmed this reading of the descriptor fields (the other
-// assignment of the two offsets gave wrong products) and the accumulator
-// layout below.
+// Blocks of consecutive k-steps follow each other, R * 8 floats apart.  A
+// probe kernel on the H200 confirmed this reading of the descriptor fields
+// (the other assignment of the two offsets gives wrong products) and the
+// accumulator layout below (bench/results/nvidia-h200-wgmma-probe.txt).
 //
 // Accumulators of m64nN: warp w of the warpgroup owns rows 16 w .. 16 w + 15;
 // lane (g = lane / 4, t = lane % 4) holds, for each n8 tile j, d[4 j + i] =

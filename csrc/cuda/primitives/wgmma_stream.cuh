@@ -1,5 +1,5 @@
-// Streaming packed weights through Hopper warpgroup products (sm_90a): the
-// pieces the wgmma kernels share.  A CTA of two warpgroups owns 64 rows of
+// \brief Streaming packed weights through Hopper warpgroup products (sm_90a):
+// the pieces the wgmma kernels share.  A CTA of two warpgroups owns 64 rows of
 // activations (the wgmma M), kept in shared memory split into TF32 big and
 // small planes in wgmma.cuh's operand layout; the weights are packed once per
 // call, split, in the same layout and in the order they are consumed, and
@@ -7,10 +7,9 @@
 // through a ring of up to kStages stages, each completing on its own
 // mbarrier.  Each chunk's 3xTF32 products go into a fresh accumulator that is
 // added to the running sums in float32: the tensor cores' own accumulation
-// over a whole K is far less accurate (vae_elbo.cu's wgmma section, tenth
-// session's runs 3-4).
+// over a whole K is far less accurate (docs/vae_elbo.md).
 //
-// Used by vae_elbo.cu's and flow_euler.cu's wgmma paths.
+// Used by the wgmma paths of vae_elbo and flow_euler.
 #pragma once
 
 #include <cuda_runtime.h>
