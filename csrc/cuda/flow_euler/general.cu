@@ -7,8 +7,7 @@
 // thread per output element, each a sequential dot product in the working
 // precision, so the result rounds like a straightforward loop.  Two [B, H]
 // hidden buffers are allocated per call; x is updated in place in the
-// output.  Correctness first: the reference the fast paths are tested
-// against on the device.
+// output.  Correctness first, not speed.
 #include <cuda_runtime.h>
 
 #include <algorithm>

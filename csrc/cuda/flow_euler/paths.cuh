@@ -5,10 +5,10 @@
 //
 // Each path file (split.cu, row.cu, cluster.cu, wgmma.cu, tiled.cu,
 // general.cu) defines `<path>_applies` (the complete condition under which
-// its launcher is correct: a forced path runs whenever it holds) and
-// `launch_<path>` in namespace fused_ops::flow_euler_paths; its kernels live
-// in fused_ops' anonymous namespace.  docs/flow_euler.md describes every
-// path.
+// its launcher is correct: a forced path runs whenever it holds; the
+// general path always applies) and `launch_<path>` in namespace
+// fused_ops::flow_euler_paths; its kernels live in fused_ops' anonymous
+// namespace.  docs/flow_euler.md describes every path.
 #pragma once
 
 #include <cuda_runtime.h>
