@@ -27,10 +27,10 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-//
 // The tile kernel's work with Hopper's warpgroup products
-// (cuda/primitives/wgmma.cuh, wgmma_stream.cuh).  wgmma's M is 64, and 64-row tiles alone would
-// leave half of an H200 idle at B=4096 (64 tiles), so each tile runs on a
+// (cuda/primitives/wgmma.cuh, wgmma_stream.cuh).  wgmma's M is 64, and
+// 64-row tiles alone would leave half of an H200 idle at B=4096 (64
+// tiles), so each tile runs on a
 // pair of CTAs (a 2-CTA cluster) that split every layer's output columns:
 // CTA r computes columns [r N/2, (r+1) N/2) of each layer (its warpgroups a
 // quarter each), streaming only its half of the weights, and stores its half
