@@ -37,7 +37,8 @@
 //            output; the bias gradients are summed from the partials.  Per
 //            step: 3 products (trajectory) + 3 (adjoint).  (CUDA runs this
 //            mode as one cooperative launch of the same arithmetic,
-//            cuda/flow_euler_backward.cu, not through this step sequence.)
+//            cuda/flow_euler/backward_resident.cu, not through this step
+//            sequence.)
 //            Memory: 6 n B H + n B D (trajectory x_0 .. x_{n-1}) + n B D (g_v)
 //            + 3 B D + partials n P (2 H + D).
 // streaming  otherwise (large batches): only x_1 .. x_{n-1} are kept; each
@@ -99,7 +100,7 @@ constexpr int64_t kResidentBudget = int64_t(1) << 22;
 
 // ... and above this many stacked rows (num_steps * B): one product with
 // such a long inner dimension rounds worse than the reference's per-step
-// products summed (measured: 3.6x the float32 reference's error at 1500 rows).
+// products summed (docs/flow_euler.md, Numerics).
 constexpr int64_t kResidentMaxRows = 512;
 
 inline bool flow_backward_resident(int64_t B, int64_t H, int64_t num_steps) {
@@ -171,11 +172,13 @@ void set_weight_grads(const FlowEulerBackwardCall& c, FlowBackwardArgs<T>& a) {
 }
 
 // Fills the argument struct of a call whose output tensors exist, allocating
-// the workspace (kept alive by the returned tensor).
+// the workspace (kept alive by the returned tensor), for the given mode
+// (by default the one the sizes choose, flow_backward_resident).
 template <typename T>
-Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwardArgs<T>& a) {
+Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwardArgs<T>& a,
+                          bool resident) {
   a.B = c.B, a.D = c.D, a.H = c.H, a.num_steps = c.num_steps, a.P = P;
-  a.resident = flow_backward_resident(c.B, c.H, c.num_steps);
+  a.resident = resident;
   a.slots = a.resident ? c.num_steps : 1;
   a.grad_x = cdata<T>(c.grad_x);
   a.x0 = cdata<T>(c.x0);
@@ -191,6 +194,11 @@ Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwar
   Tensor workspace = empty_like_device(c.x0, {n});
   flow_backward_layout<T>(a, mdata<T>(workspace));
   return workspace;
+}
+
+template <typename T>
+Tensor flow_backward_args(const FlowEulerBackwardCall& c, int64_t P, FlowBackwardArgs<T>& a) {
+  return flow_backward_args<T>(c, P, a, flow_backward_resident(c.B, c.H, c.num_steps));
 }
 
 // The step sequence of the module comment.  Ops (per device) provides:

@@ -35,8 +35,7 @@ namespace {
 // 128 rows: the two hidden activations of a block (2 x 128 x 256 floats,
 // 256 KB at the default size) and the weights (396 KB) still fit a 1 MB L2,
 // and the products are twice as tall as with 64 rows (half the BLAS calls,
-// each repacking the weights): B=4096 ran ~10% faster on the 2-core
-// development CPU (alternating builds, median 424 vs 470 ms per call).
+// each repacking the weights; docs/flow_euler.md, variants).
 constexpr int64_t kRowBlock = 128;
 
 // h[r, j] = silu(h[r, j] + bias[j]) for r < rows, j < cols (row stride cols).
