@@ -1,6 +1,7 @@
 """fused_ops: fused PyTorch C++/CUDA operators for probabilistic ML.
 
-Ops (``torch.ops.fused_ops.*``, also as documented Python functions here):
+Ops (``torch.ops.fused_ops.*``, also as documented Python functions here and
+in :mod:`fused_ops.ops`, one module per op):
 
 - :func:`importance_sampling` -- self-normalised importance sampling with a
   Gaussian-mixture target and a diagonal Gaussian proposal.
@@ -20,11 +21,11 @@ _load_library()
 
 from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OPS_FORCE_PATH)
 
-from . import nn, reference  # noqa: E402
+from . import nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "ops", "reference", "info"]
 
 
 def info():
