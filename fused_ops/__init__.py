@@ -30,7 +30,9 @@ __all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "ops", "refere
 
 def info():
     """A dict describing this build: versions, compiled CUDA architectures,
-    the devices torch sees and the registered ops."""
+    the devices torch sees, the registered ops and whether the Python
+    functions take the fast eager route (:mod:`fused_ops._eager`)."""
+    from . import _eager
     from ._loader import build_info
 
     import torch
@@ -45,4 +47,5 @@ def info():
         "ops": sorted(
             name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fused_ops::")
         ),
+        "eager_route": "fast" if _eager.enabled else "plain torch.ops calls: " + "; ".join(_eager.unavailable),
     }

@@ -3,10 +3,10 @@
 Each op is registered with ``torch.library.register_autograd`` (see
 :func:`register_autograd`); ``torch.ops.fused_ops.*`` called directly and
 ``torch.compile`` use that registration.  Its autograd kernel is Python that
-runs on every call, also when no gradient can flow: it boxes every argument,
-rebuilds the schema's argument list (``fill_defaults``) and redispatches.  For
-a 12-tensor op such as ``vae_elbo`` that costs as much host time as a small
-fused kernel, so the Python functions (``fused_ops.vae_elbo`` and the others)
+runs on every call: it boxes every argument into Python and redispatches,
+and when a gradient can flow it also rebuilds the schema's argument list
+(``fill_defaults``) for ``setup_context``.  For a 12-tensor op such as
+``vae_elbo`` that costs as much host time as a small fused kernel, so the Python functions (``fused_ops.vae_elbo`` and the others)
 take a shorter route in eager mode, through :func:`call`:
 
 - no gradient can flow (grad mode off, or no input requires grad): the op is
@@ -20,10 +20,10 @@ take a shorter route in eager mode, through :func:`call`:
   ``inspect.signature`` on every call; it is used only while a torch.func
   transform is active.
 
-On the H200 this route saves about 100 us per VAE training step at B=128
-(registered kernel, ``setup_context`` Function and plain Function timed in
-alternating rounds; docs/performance.md, "Eager route").  Results and
-gradients are bitwise those of the registered route (tests/test_eager_route.py).
+On the H200 this takes about a quarter off a VAE training step at B=128,
+which is host-bound (the three routes timed in alternating rounds:
+docs/performance.md, "Eager route").  Results and gradients are bitwise
+those of the registered route (tests/test_eager_route.py).
 
 The route rests on private torch APIs, listed in :data:`PRIVATE_APIS` and
 probed once at import.  If any is missing or misbehaves, :data:`enabled` is
@@ -46,42 +46,46 @@ __all__ = [
 ]
 
 
-def _probe():
-    """The private APIs this route uses that are missing or do not behave as
-    it expects, each as ``"name: what is wrong"`` (empty: all usable)."""
-    problems = []
+def _any_requires_grad_works():
+    f = torch._C._any_requires_grad
+    return f(None, torch.empty(0)) is False and f(torch.empty(0), torch.empty(0, requires_grad=True)) is True
 
-    def check(name, test):
+
+def _below_autograd_works():
+    with torch._C._AutoDispatchBelowAutograd():
+        pass
+    return True
+
+
+# The private torch APIs the fast route uses, each with a check that it is
+# there and behaves as the route expects.
+_CHECKS = {
+    # One C++ test of a tuple of optional tensors.
+    "torch._C._any_requires_grad": _any_requires_grad_works,
+    # Calls the op past its autograd kernel.
+    "torch._C._AutoDispatchBelowAutograd": _below_autograd_works,
+    # Picks the torch.func Function.
+    "torch._C._are_functorch_transforms_active": lambda: torch._C._are_functorch_transforms_active() is False,
+    # Skips the tangent check outside forward AD.
+    "torch.autograd.forward_ad._current_level": lambda: isinstance(_forward_ad._current_level, int),
+}
+
+#: The private torch APIs the fast route uses.
+PRIVATE_APIS = tuple(_CHECKS)
+
+
+def _probe():
+    """The private APIs of :data:`PRIVATE_APIS` that are missing or do not
+    behave as expected, each as ``"name: what is wrong"`` (empty: all usable)."""
+    problems = []
+    for name, works in _CHECKS.items():
         try:
-            if not test():
+            if not works():
                 problems.append(f"{name}: unexpected result")
         except Exception as e:  # AttributeError when absent, TypeError for a changed signature
             problems.append(f"{name}: {type(e).__name__}: {e}")
-
-    def any_requires_grad():
-        leaf = torch.empty(0, requires_grad=True)
-        f = torch._C._any_requires_grad
-        return f(None, torch.empty(0)) is False and f(torch.empty(0), leaf) is True
-
-    def below_autograd():
-        with torch._C._AutoDispatchBelowAutograd():
-            pass
-        return True
-
-    check("torch._C._any_requires_grad", any_requires_grad)
-    check("torch._C._AutoDispatchBelowAutograd", below_autograd)
-    check("torch._C._are_functorch_transforms_active", lambda: torch._C._are_functorch_transforms_active() is False)
-    check("torch.autograd.forward_ad._current_level", lambda: isinstance(_forward_ad._current_level, int))
     return problems
 
-
-#: The private torch APIs the fast route uses.
-PRIVATE_APIS = (
-    "torch._C._any_requires_grad",  # one C++ test of a tuple of optional tensors
-    "torch._C._AutoDispatchBelowAutograd",  # call the op past its autograd kernel
-    "torch._C._are_functorch_transforms_active",  # pick the torch.func Function
-    "torch.autograd.forward_ad._current_level",  # skip the tangent check outside forward AD
-)
 
 #: Why the fast route is off (empty when every private API works).
 unavailable = _probe()

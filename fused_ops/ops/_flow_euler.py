@@ -28,7 +28,9 @@ def flow_euler(
     num_steps: int,
 ) -> Tensor:
     r"""Probability-flow ODE sampler: ``num_steps`` Euler steps of an MLP
-    velocity field, in one fused kernel (one launch on CUDA).
+    velocity field, fused: on CUDA all steps in one kernel launch, except on
+    the general path (float64, sizes beyond the others: a launch per layer
+    and step).
 
     Shapes: ``x0 [B, D]``, ``w1 [H, D+1]``, ``b1 [H]``, ``w2 [H, H]``,
     ``b2 [H]``, ``w3 [D, H]``, ``b3 [D]`` (the weights and biases of
@@ -52,6 +54,10 @@ def flow_euler(
     ``t`` are rounded from double to the tensors' dtype, as
     ``torch.tensor(1.0 / num_steps)`` rounds the reference module's ``dt``
     buffer in float32.
+
+    On CUDA the kernel is one of several paths, picked from the sizes (and
+    the build's architectures) by the op's dispatch table:
+    ``fused_ops._paths.table("flow_euler")`` lists them with their conditions.
 
     Differentiable with respect to every tensor input through the fused
     :func:`flow_euler_backward` op, which recomputes the trajectory from

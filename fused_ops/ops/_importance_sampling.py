@@ -44,6 +44,10 @@ def importance_sampling(
     are normalised (``logsumexp == 0``), ready for resampling.  Results are
     bitwise reproducible for the same inputs on the same device.
 
+    On CUDA the kernel is one of several paths, picked from the sizes (and
+    the build's architectures) by the op's dispatch table:
+    ``fused_ops._paths.table("importance_sampling")`` lists them with their conditions.
+
     Differentiable with respect to every input, through the fused
     :func:`importance_sampling_backward` op (it recomputes the per-component
     terms; autograd saves the inputs and outputs only, no ``[N, K]`` or

@@ -65,6 +65,10 @@ def vae_elbo(
     nor the reconstruction are materialised.  Results are bitwise reproducible
     for the same inputs on the same device.
 
+    On CUDA the kernel is one of several paths, picked from the sizes (and
+    the build's architectures) by the op's dispatch table:
+    ``fused_ops._paths.table("vae_elbo")`` lists them with their conditions.
+
     Differentiable with respect to every input.  On CUDA (and for
     ``torch.ops.fused_ops.vae_elbo`` called directly) only the inputs are
     saved and the fused backward op ``fused_ops::vae_elbo_backward`` recomputes
