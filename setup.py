@@ -160,10 +160,18 @@ def write_build_info():
 # The extension is built against the LibTorch stable ABI (torch/csrc/stable)
 # and the Python limited API, so one wheel serves every torch release from
 # TORCH_TARGET_VERSION on and every CPython from PY_LIMITED_API on.
+# pyproject.toml states the same bounds: torch>=2.11 (dependencies and
+# build-system requires) and requires-python>=3.10.
 MIN_TORCH = (2, 11)
 TORCH_TARGET_VERSION = f"0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 # torch's build_ext defines Py_LIMITED_API for py_limited_api
-# extensions (CPython 3.10); the abi3 tag below says the same.
+# extensions (CPython 3.10); the cp310 abi3 tag below says the same.
+_TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+if _TORCH_RELEASE < MIN_TORCH:
+    sys.exit(
+        f"fused_ops needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} to build (its stable ABI); "
+        f"torch {torch.__version__} is installed."
+    )
 
 
 def extensions():

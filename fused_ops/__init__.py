@@ -1,6 +1,7 @@
 """fused_ops: fused PyTorch C++/CUDA operators for probabilistic ML.
 
-Ops (``torch.ops.fused_ops.*``, also as documented Python functions here):
+Ops (``torch.ops.fused_ops.*``, also as documented Python functions here and
+in :mod:`fused_ops.ops`, one module per op):
 
 - :func:`importance_sampling` -- self-normalised importance sampling with a
   Gaussian-mixture target and a diagonal Gaussian proposal.
@@ -20,16 +21,18 @@ _load_library()
 
 from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OPS_FORCE_PATH)
 
-from . import nn, reference  # noqa: E402
+from . import nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "ops", "reference", "info"]
 
 
 def info():
     """A dict describing this build: versions, compiled CUDA architectures,
-    the devices torch sees and the registered ops."""
+    the devices torch sees, the registered ops and whether the Python
+    functions take the fast eager route (:mod:`fused_ops._eager`)."""
+    from . import _eager
     from ._loader import build_info
 
     import torch
@@ -44,4 +47,5 @@ def info():
         "ops": sorted(
             name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fused_ops::")
         ),
+        "eager_route": "fast" if _eager.enabled else "plain torch.ops calls: " + "; ".join(_eager.unavailable),
     }

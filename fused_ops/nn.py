@@ -19,11 +19,11 @@ __all__ = ["ImportanceSampler", "FlowODE", "VAE", "convert"]
 
 # The fused modules' forwards read their submodules and parameters from the
 # modules' own dictionaries: each nn.Module attribute lookup (__getattr__
-# searching _parameters, _buffers, _modules) costs about a microsecond of
-# Python on a slow host, and VAE.forward needs seventeen of them around a
-# kernel of ~26 us at the default size.  A name missing from the dictionary
-# (e.g. a weight under torch.nn.utils.parametrize, which becomes a property)
-# falls back to the attribute.
+# searching _parameters, _buffers, _modules) is a Python call of the order of
+# a microsecond, and VAE.forward needs seventeen of them around a kernel of a
+# few tens of microseconds at the default size.  A name missing from the
+# dictionary (e.g. a weight under torch.nn.utils.parametrize, which becomes a
+# property) falls back to the attribute.
 
 
 def _entry(module, table, name):
@@ -36,8 +36,8 @@ def _entry(module, table, name):
 def _submodules(module, paths):
     """The submodules of ``module`` at ``paths`` (tuples of child names, such
     as ``("encoder", "0")``), read as :func:`_entry` reads them.  One loop
-    rather than a helper call per name: the VAE's ten weights cost ~2 us less
-    Python per call this way (2-core VM)."""
+    rather than a helper call per name: one Python call fewer per name on
+    every forward."""
     found = []
     for path in paths:
         m = module

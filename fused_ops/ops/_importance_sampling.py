@@ -1,0 +1,144 @@
+"""``fused_ops.importance_sampling``: self-normalised importance sampling of a
+Gaussian-mixture target with a diagonal Gaussian proposal.
+
+The function, its fused backward, their fake (meta) implementations and the
+autograd registration.  The kernels are registered from C++
+(``csrc/cuda/importance_sampling/``, ``csrc/cpu/importance_sampling/``).
+"""
+
+import torch
+from torch import Tensor
+
+from .. import _eager
+
+__all__ = ["importance_sampling", "importance_sampling_backward"]
+
+_OP = torch.ops.fused_ops.importance_sampling.default
+_BACKWARD_OP = torch.ops.fused_ops.importance_sampling_backward.default
+
+
+def importance_sampling(
+    samples: Tensor,
+    mix_weights: Tensor,
+    mix_mus: Tensor,
+    mix_stds: Tensor,
+    q_mu: Tensor,
+    q_std: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Self-normalised importance sampling of a Gaussian-mixture target with a
+    diagonal Gaussian proposal, in one fused kernel.
+
+    Shapes: ``samples [N, D]``, ``mix_weights [K]``, ``mix_mus [K, D]``,
+    ``mix_stds [K, D]``, ``q_mu [D]``, ``q_std [D]``; all float32 or all
+    float64, on one device (CPU or CUDA).  ``N >= 1``, ``K >= 1``.
+
+    Math (the constant :math:`-\tfrac12\log 2\pi` terms cancel and are omitted)::
+
+        log_p[i] = logsumexp_k( log w_k + sum_d( -0.5*((x[i,d]-mu[k,d])/std[k,d])**2 - log std[k,d] ) )
+        log_q[i] = sum_d( -0.5*((x[i,d]-q_mu[d])/q_std[d])**2 - log q_std[d] )
+        log_weights = (log_p - log_q) - logsumexp(log_p - log_q)       # over all N
+        weighted_mean = sum_i exp(log_weights[i]) * x[i]              # [D]
+        ess = 1 / sum_i exp(log_weights[i])**2                        # 0-d
+
+    Returns ``(weighted_mean [D], ess [], log_weights [N])``.  ``log_weights``
+    are normalised (``logsumexp == 0``), ready for resampling.  Results are
+    bitwise reproducible for the same inputs on the same device.
+
+    On CUDA the kernel is one of several paths, picked from the sizes (and
+    the build's architectures) by the op's dispatch table:
+    ``fused_ops._paths.table("importance_sampling")`` lists them with their conditions.
+
+    Differentiable with respect to every input, through the fused
+    :func:`importance_sampling_backward` op (it recomputes the per-component
+    terms; autograd saves the inputs and outputs only, no ``[N, K]`` or
+    ``[N, K, D]`` temporaries).  Double backward and forward-mode AD
+    (``torch.func.jvp``, dual tensors) are not supported (RuntimeErrors).
+    """
+    return _eager.call(_OP, (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
+
+
+@torch.library.register_fake("fused_ops::importance_sampling")
+def _importance_sampling_fake(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
+    torch._check(samples.dim() == 2, lambda: f"samples must be a 2-D tensor [N, D], got {samples.shape}")
+    n, d = samples.shape
+    return samples.new_empty(d), samples.new_empty(()), samples.new_empty(n)
+
+
+def importance_sampling_backward(
+    grad_weighted_mean, grad_ess, grad_log_weights,
+    samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+    weighted_mean, log_weights,
+):
+    r"""Fused backward of :func:`importance_sampling` (what autograd calls).
+
+    Takes the upstream gradients of ``weighted_mean [D]``, ``ess []`` and
+    ``log_weights [N]`` (any of them may be ``None``: zero), the forward's
+    inputs and its outputs ``weighted_mean`` and ``log_weights``; returns the
+    gradients of ``(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std)``,
+    contiguous, with the inputs' shapes.
+
+    Math, with ``w = exp(log_weights)``, ``lw = log_p - log_q`` the
+    unnormalised log weights and the responsibilities
+    ``r[i,k] = softmax_k(log_comp[i,k] + log mix_weights[k])`` (recomputed in
+    the kernel, not stored)::
+
+        g[i] = dL/dlw[i] = gL[i] - w[i]*sum(gL) + w[i]*(x[i]-mean).gM + gE*2*w[i]*(S-w[i])/S**2
+        z[i,k,d] = (x[i,d]-mix_mus[k,d])/mix_stds[k,d];   zq[i,d] = (x[i,d]-q_mu[d])/q_std[d]
+        grad_samples[i,d]  = g[i]*zq[i,d]/q_std[d] - sum_k g[i]*r[i,k]*z[i,k,d]/mix_stds[k,d] + w[i]*gM[d]
+        grad_mix_mus[k,d]  = sum_i g[i]*r[i,k]*z[i,k,d] / mix_stds[k,d]
+        grad_mix_stds[k,d] = sum_i g[i]*r[i,k]*(z[i,k,d]**2 - 1) / mix_stds[k,d]
+        grad_mix_weights[k] = sum_i g[i]*r[i,k] / mix_weights[k]
+        grad_q_mu[d]  = -sum_i g[i]*zq[i,d] / q_std[d]
+        grad_q_std[d] = -sum_i g[i]*(zq[i,d]**2 - 1) / q_std[d]
+
+    with ``S = sum_j w[j]**2 = 1/ess``.  Near a dominant sample ``S - w[i]``
+    cancels, so the ESS term is evaluated in double with ``S`` recomputed
+    from ``log_weights`` (renormalised) rather than taken from the separately
+    rounded forward output ``ess``, which is why ``ess`` is not an argument.
+
+    CPU: two passes over fixed chunks of samples (sum of gL, then the
+    per-sample work and chunk partials), merged in chunk order, in double.
+    CUDA: one cooperative launch; per-sample work in parallel over N, the sums
+    over N as per-block partials reduced in a fixed order (no atomics).  Both
+    are bitwise reproducible.  Temporary memory: O(chunks * K * D) on the CPU,
+    O(blocks * K * D) on CUDA, no [N, K] or [N, K, D] buffers.
+
+    Not differentiable itself: double backward raises a ``RuntimeError``.
+    """
+    return _eager.call(
+        _BACKWARD_OP,
+        (grad_weighted_mean, grad_ess, grad_log_weights,
+         samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+         weighted_mean, log_weights),
+    )
+
+
+@torch.library.register_fake("fused_ops::importance_sampling_backward")
+def _importance_sampling_backward_fake(
+    grad_weighted_mean, grad_ess, grad_log_weights,
+    samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+    weighted_mean, log_weights,
+):
+    torch._check(samples.dim() == 2, lambda: f"samples must be a 2-D tensor [N, D], got {samples.shape}")
+    return tuple(t.new_empty(t.shape) for t in (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
+
+
+# Autograd: the fused backward op, itself not differentiable.
+
+
+def _importance_sampling_setup_context(ctx, inputs, output):
+    # The inputs and two outputs (weighted_mean [D], normalised log_weights
+    # [N]): O(N + D) beyond the inputs.  The responsibilities [N, K] are
+    # recomputed by the backward kernel, never stored; so is ess (from
+    # log_weights, see importance_sampling_backward).
+    weighted_mean, _, log_weights = output
+    ctx.save_for_backward(*inputs, weighted_mean, log_weights)
+    ctx.set_materialize_grads(False)  # the backward op takes None for an unused output
+
+
+def _importance_sampling_backward(ctx, grad_mean, grad_ess, grad_log_weights):
+    return _eager.call(_BACKWARD_OP, (grad_mean, grad_ess, grad_log_weights, *ctx.saved_tensors))
+
+
+_eager.forbid_double_backward(_BACKWARD_OP, "importance_sampling", "fused_ops.reference.importance_sampling")
+_eager.register_autograd(_OP, _importance_sampling_backward, _importance_sampling_setup_context)
