@@ -1,64 +1,83 @@
-"""A small CUDA run of every kernel path, for compute-sanitizer.
+"""Every CUDA kernel path of every op, forward and backward, on small inputs: the
+workload compute-sanitizer runs.
 
-    compute-sanitizer --tool memcheck python bench/sanitize_run.py [group ...]
+    compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
+    python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
-(groups: importance_sampling, importance_sampling_backward, flow, flow_backward,
-vae, vae_backward; all by default).
+Ops: importance_sampling, flow_euler, vae_elbo and their ``_backward`` ops
+(all by default; ``flow`` and ``vae`` name both directions of those ops).
 
-Covers, for importance_sampling, the vectorised and scalar fast paths (short
-and long rows), the general path (D > 512, and parameters too large for shared
-memory) and float64; for flow_euler, the split (4 and 2 blocks per row) and
-row paths (the default D and H), the cluster path (sm_90, B <= 32), the
-3xTF32 tile path (ragged last tile, D and H not multiples of 8 or 32), the
-wgmma path (the large-batch default on an sm_90a build) and the general path
-(float64; float32 too large for both); for vae_elbo, the cluster, wgmma,
-tiled and general paths (VAE_CASES) and the backward (VAE_BWD_CASES).  Each
-result is checked against the reference so a silent error also fails.
+For each op the kernel-path table of this build (``fused_ops._paths``) gives
+the paths.  Each case below names the path(s) it is meant for; a case is run
+with that path forced (``_paths.force``) and then reports the path the call
+took (``_paths.last``).  A case whose path's condition does not hold on this
+device or build (the forced call refuses to run) is skipped and said so.  A
+path that no case names is tried on the op's cases, smallest first, until one
+applies.  Cases named ``NATURAL`` run unforced (the table's own choice).  A
+path that ran on no case at all is a failure, and so is any result that
+differs from the reference (``fused_ops.reference``), so a silent error fails
+too.  Exit status: 0 when every path ran and every result matched.
 
-For importance_sampling_backward: tiles of 32 and 256 samples (several per
-block), long rows (more gradient entries than threads), large K (coefficients
-in global memory), float64, absent upstream gradients; checked against the
-reference's autograd.
+The sizes are small where the path allows it: the sanitizer slows kernels by
+orders of magnitude.  A build without path tables runs every case unforced.
 """
 
+from __future__ import annotations
+
+import argparse
+import contextlib
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, Tuple
 
-import torch
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fused_ops
-from fused_ops import reference
+import torch  # noqa: E402
 
-CASES = [
-    # (N, D, K, dtype)          path exercised
-    (1000, 16, 3, torch.float32),  # fast, float4 loads, 4 lanes per row
-    (777, 3, 2, torch.float32),  # fast, scalar loads
-    (300, 200, 5, torch.float32),  # fast, float4 loads, long rows (50 chunks over 32 lanes)
-    (129, 101, 4, torch.float32),  # fast, scalar loads, long rows
-    (65, 700, 3, torch.float32),  # general: D > 512
-    (200, 384, 64, torch.float32),  # general: parameters exceed shared memory
-    (500, 16, 3, torch.float64),  # fast, float64
-    (1, 1, 1, torch.float32),  # smallest
-    (300001, 16, 3, torch.float32),  # several rows per thread: the prefetching loop
-    (200003, 5, 2, torch.float32),  # the same, scalar loads
-]
+import fused_ops  # noqa: E402
+from fused_ops import reference  # noqa: E402
+
+try:
+    from fused_ops import _paths
+except ImportError:  # a build without the kernel-path debug hook
+    _paths = None
+
+NATURAL = "natural"
+F32, F64 = torch.float32, torch.float64
 
 
-FLOW_CASES = [
-    # (B, D, H, num_steps, dtype)    path exercised
-    (8, 64, 256, 4, torch.float32),  # split (4 blocks per row), default size
-    (3, 64, 256, 2, torch.float32),  # split (4)
-    (40, 64, 256, 3, torch.float32),  # split (2 blocks per row)
-    (70, 64, 256, 1, torch.float32),  # row
-    (3, 5, 20, 2, torch.float32),  # cluster, everything padded
-    (32, 100, 130, 2, torch.float32),  # cluster, 4 row chunks, ragged neuron slices
-    (1, 1, 3, 1, torch.float32),  # cluster, smallest
-    (32, 64, 300, 2, torch.float32),  # cluster, long ragged k-segments
-    (129, 100, 130, 2, torch.float32),  # tiled, ragged last tile, padded K
-    (4096, 64, 256, 2, torch.float32),  # wgmma on an sm_90a build (tiled otherwise), the large-batch default
-    (40, 3, 300, 1, torch.float32),  # tiled, two column passes
-    (8, 5, 1100, 1, torch.float32),  # general: too large for cluster and tile
-    (37, 6, 33, 2, torch.float64),  # general, float64
-]
+@dataclass(frozen=True)
+class Case:
+    paths: Tuple[str, ...]  # the paths this case is meant for, or (NATURAL,)
+    size: tuple  # op-specific, see the op's runner
+    note: str = ""
+
+    def cost(self) -> int:
+        """Elements of the problem: the order in which uncovered paths try cases."""
+        n = 1
+        for v in self.size:
+            if isinstance(v, int):
+                n *= max(v, 1)
+        return n
+
+
+def case(paths, *size, note=""):
+    return Case(tuple(paths.split()), tuple(size), note)
+
+
+# ----------------------------------------------------------------------------
+# Inputs and runners: each runner calls the fused op on a case and returns
+# whether it matches the reference.
+# ----------------------------------------------------------------------------
+
+
+def is_inputs(n, d, k, dtype):
+    """samples, mix_weights, mix_mus, mix_stds, q_mu, q_std of an importance-sampling problem."""
+    opts = dict(device="cuda", dtype=dtype)
+    return (torch.randn(n, d, **opts) * 3, torch.rand(k, **opts) + 0.1, torch.randn(k, d, **opts) * 2,
+            torch.rand(k, d, **opts) + 0.5, torch.randn(d, **opts), torch.rand(d, **opts) * 2 + 2)
 
 
 def flow_inputs(b, d, h, dtype):
@@ -69,42 +88,11 @@ def flow_inputs(b, d, h, dtype):
     w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
     w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
     b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
-    return x0, w1, b1, w2, b2, w3, b3
-
-
-def run_flow():
-    torch.manual_seed(0)
-    failures = 0
-    for b, d, h, steps, dtype in FLOW_CASES:
-        args = flow_inputs(b, d, h, dtype)
-        got = fused_ops.flow_euler(*args, steps)
-        want = reference.flow_euler(*args, steps)
-        ok = torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-        failures += not ok
-        print(f"flow B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
-    torch.cuda.synchronize()
-    return failures
-
-
-# vae_elbo: (B, I, H, L, dtype) and the CUDA path it takes on an sm_90 GPU
-# (csrc/cuda/vae_elbo.cu documents the rule).  Small batches where possible:
-# the sanitizer slows kernels down by orders of magnitude.
-VAE_CASES = [
-    (128, 784, 256, 32, torch.float32),  # cluster, float4 weight reads, 8-CTA clusters (the default size)
-    (16, 784, 256, 32, torch.float32),  # cluster, one 16-CTA cluster
-    (300, 64, 128, 8, torch.float32),  # cluster, more tiles than resident clusters (un-pipelined kernel)
-    (37, 1000, 130, 17, torch.float32),  # cluster, scalar reads, partial row tile
-    (5, 5, 7, 3, torch.float32),  # cluster, slices smaller than the cluster (empty CTAs)
-    (2053, 784, 256, 32, torch.float32),  # wgmma (sm_90a build), partial last tile
-    (2048, 130, 256, 17, torch.float32),  # wgmma, a full decoder pass and a tail pass
-    (2048, 37, 40, 5, torch.float32),  # tiled, odd I and L
-    (2048, 784, 256, 64, torch.float32),  # tiled, shared memory above 200 KB
-    (3, 4000, 1500, 40, torch.float32),  # general: activations exceed shared memory
-    (9, 33, 16, 5, torch.float64),  # general: float64
-]
+    return [x0, w1, b1, w2, b2, w3, b3]
 
 
 def vae_inputs(b, i, h, l_, dtype):
+    """x, eps and the ten weights and biases of a VAE problem (nn.Linear's layout and scale)."""
     opts = dict(device="cuda", dtype=dtype)
 
     def linear(n_out, n_in):
@@ -115,173 +103,283 @@ def vae_inputs(b, i, h, l_, dtype):
             *linear(h, i), *linear(l_, h), *linear(l_, h), *linear(h, l_), *linear(i, h)]
 
 
-def run_vae():
-    failures = 0
-    for b, i, h, l_, dtype in VAE_CASES:
-        args = vae_inputs(b, i, h, l_, dtype)
-        got = fused_ops.vae_elbo(*args)
-        ref = reference.VAE(i, h, l_).to(device="cuda", dtype=dtype)
-        with torch.no_grad():
-            for p, v in zip(ref.parameters(), args[2:]):
-                p.copy_(v)
-            want = ref(args[0], args[1])
-        ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
-        failures += not ok
-        print(f"vae_elbo B={b} I={i} H={h} L={l_} {dtype}: {'ok' if ok else 'MISMATCH'}")
-    return failures
+def close(got, want, atol=1e-4, rtol=1e-4):
+    return all(torch.allclose(g, w, atol=atol, rtol=rtol) for g, w in zip(got, want))
 
 
-FLOW_BACKWARD_CASES = [
-    # (B, D, H, num_steps, dtype)    what it exercises
-    (8, 64, 256, 4, torch.float32),  # resident mode, one column-sum chunk
-    (300, 5, 37, 3, torch.float32),  # streaming, two chunks (the last ragged), ragged column tiles
-    (4096, 64, 256, 2, torch.float32),  # streaming, 16 chunks
-    (1, 1, 3, 1, torch.float32),  # resident, smallest, a single step
-    (37, 6, 33, 3, torch.float64),  # resident, float64
-    (70, 6, 33, 8, torch.float64),  # streaming, float64
-    (0, 4, 9, 2, torch.float32),  # empty batch: zero weight gradients
+def run_is(n, d, k, dtype):
+    args = is_inputs(n, d, k, dtype)
+    return close(fused_ops.importance_sampling(*args), reference.importance_sampling(*args))
+
+
+def run_is_backward(n, d, k, dtype, which):
+    """The backward op directly, with some upstream gradients absent (``which``:
+    mean, ess, log_weights), against the reference's autograd."""
+    opts = dict(device="cuda", dtype=dtype)
+    args = [t.requires_grad_() for t in is_inputs(n, d, k, dtype)]
+    ups = [torch.randn(d, **opts), torch.randn((), **opts), torch.randn(n, **opts) / n**0.5]
+    ups = [u if use else None for u, use in zip(ups, which)]
+    with torch.no_grad():
+        out = fused_ops.importance_sampling(*args)
+    got = torch.ops.fused_ops.importance_sampling_backward.default(*ups, *[a.detach() for a in args], out[0], out[2])
+    ref_out = reference.importance_sampling(*args)
+    loss = sum((o * u).sum() for o, u in zip(ref_out, ups) if u is not None)
+    want = torch.autograd.grad(loss, args, allow_unused=True)
+    ok = True
+    for g, r in zip(got, want):
+        r = torch.zeros_like(g) if r is None else r
+        scale = max(r.abs().max().item(), 1e-3)
+        ok &= bool(torch.isfinite(g).all()) and torch.allclose(g, r, rtol=1e-3, atol=1e-3 * scale)
+    return ok
+
+
+def run_flow(b, d, h, steps, dtype):
+    args = flow_inputs(b, d, h, dtype)
+    return close([fused_ops.flow_euler(*args, steps)], [reference.flow_euler(*args, steps)])
+
+
+def run_flow_backward(b, d, h, steps, dtype):
+    args = [t.requires_grad_() for t in flow_inputs(b, d, h, dtype)]
+    upstream = torch.randn(b, d, device="cuda", dtype=dtype)
+    got = torch.autograd.grad(fused_ops.flow_euler(*args, steps), args, upstream)
+    want = torch.autograd.grad(reference.flow_euler(*args, steps), args, upstream)
+    return close(got, want)
+
+
+def vae_reference_outputs(args, i, h, l_, dtype):
+    ref = reference.VAE(i, h, l_).to(device="cuda", dtype=dtype)
+    names = [n for n, _ in ref.named_parameters()]
+    return torch.func.functional_call(ref, dict(zip(names, args[2:])), (args[0], args[1]))
+
+
+def run_vae(b, i, h, l_, dtype):
+    args = vae_inputs(b, i, h, l_, dtype)
+    got = fused_ops.vae_elbo(*args)
+    with torch.no_grad():
+        want = vae_reference_outputs(args, i, h, l_, dtype)
+    return close(got, want)
+
+
+def run_vae_backward(b, i, h, l_, dtype, used):
+    """Gradients of the named outputs (the others' upstream gradients absent)."""
+    names = ("elbo", "recon", "kl")
+    args = [t.requires_grad_() for t in vae_inputs(b, i, h, l_, dtype)]
+    ups = {n: torch.randn(b, device="cuda", dtype=dtype) for n in used}
+    out = dict(zip(names, fused_ops.vae_elbo(*args)))
+    got = torch.autograd.grad([out[n] for n in used], args, [ups[n] for n in used])
+    rout = dict(zip(names, vae_reference_outputs(args, i, h, l_, dtype)))
+    want = torch.autograd.grad([rout[n] for n in used], args, [ups[n] for n in used],
+                               allow_unused=True, materialize_grads=True)
+    ok = True
+    for g, r in zip(got, want):
+        scale = r.abs().max().item() if r.numel() else 1.0
+        ok &= torch.allclose(g, r, atol=1e-5 * max(scale, 1e-3), rtol=1e-4)
+    return ok
+
+
+# ----------------------------------------------------------------------------
+# The cases.  Sizes: importance sampling (N, D, K, dtype[, upstreams]); flow
+# (B, D, H, num_steps, dtype); VAE (B, I, H, L, dtype[, upstreams]).  Path
+# conditions: each op's table (python -c "from fused_ops import _paths;
+# print(_paths.table('flow_euler'))") and docs/<op>.md.
+# ----------------------------------------------------------------------------
+
+IS_CASES = [
+    case("fast", 1000, 16, 3, F32, note="float4 loads, 4 lanes per row"),
+    case("fast", 777, 3, 2, F32, note="scalar loads"),
+    case("fast", 300, 200, 5, F32, note="float4 loads, long rows"),
+    case("fast", 129, 101, 4, F32, note="scalar loads, long rows"),
+    case("fast", 500, 16, 3, F64, note="float64"),
+    case("fast", 1, 1, 1, F32, note="smallest"),
+    case("fast", 300001, 16, 3, F32, note="several rows per thread: the prefetching loop"),
+    case("fast", 200003, 5, 2, F32, note="the same, scalar loads"),
+    case("general", 65, 700, 3, F32, note="D > 512"),
+    case("general", 200, 384, 64, F32, note="parameters exceed shared memory"),
+    case("general", 1000, 16, 3, F32, note="forced at a size the fast path takes"),
 ]
-
 
 IS_BACKWARD_CASES = [
-    # (N, D, K, dtype, upstream grads (mean, ess, log_weights))   path exercised
-    (4096, 16, 3, torch.float32, (1, 1, 1)),  # default: tiles of 32, entries over sample slices
-    (1000003, 5, 3, torch.float32, (1, 1, 1)),  # tiles of 256, several tiles per block
-    (129, 700, 3, torch.float32, (1, 0, 1)),  # entries > threads: one thread per entry, strided
-    (50, 2, 400, torch.float32, (0, 1, 0)),  # coefficients in global memory (large K)
-    (777, 3, 2, torch.float64, (1, 1, 1)),  # float64
-    (1, 1, 1, torch.float32, (1, 1, 1)),  # smallest
-    (300, 4, 3, torch.float32, (0, 0, 1)),  # log_weights gradient only
+    case(NATURAL, 4096, 16, 3, F32, (1, 1, 1), note="the default size"),
+    case(NATURAL, 1000003, 5, 3, F32, (1, 1, 1), note="several sample tiles per block"),
+    case(NATURAL, 129, 700, 3, F32, (1, 0, 1), note="more gradient entries than threads"),
+    case(NATURAL, 50, 2, 400, F32, (0, 1, 0), note="large K: coefficients in global memory"),
+    case(NATURAL, 777, 3, 2, F64, (1, 1, 1), note="float64"),
+    case(NATURAL, 1, 1, 1, F32, (1, 1, 1), note="smallest"),
+    case(NATURAL, 300, 4, 3, F32, (0, 0, 1), note="log_weights gradient only"),
 ]
 
-
-def is_inputs(n, d, k, dtype, device="cuda"):
-    """samples, mix_weights, mix_mus, mix_stds, q_mu, q_std of an importance-sampling problem."""
-    opts = dict(device=device, dtype=dtype)
-    x = torch.randn(n, d, **opts) * 3
-    w = torch.rand(k, **opts) + 0.1
-    mu = torch.randn(k, d, **opts) * 2
-    sd = torch.rand(k, d, **opts) + 0.5
-    qm = torch.randn(d, **opts)
-    qs = torch.rand(d, **opts) * 2 + 2
-    return x, w, mu, sd, qm, qs
-
-
-def run_is_backward():
-    """fused_ops::importance_sampling_backward (one cooperative launch),
-    checked against the reference's autograd."""
-    torch.manual_seed(0)
-    failures = 0
-    bwd = torch.ops.fused_ops.importance_sampling_backward.default
-    for n, d, k, dtype, which in IS_BACKWARD_CASES:
-        opts = dict(device="cuda", dtype=dtype)
-        args = [t.requires_grad_() for t in is_inputs(n, d, k, dtype)]
-        ups = [torch.randn(d, **opts), torch.randn((), **opts), torch.randn(n, **opts) / n**0.5]
-        ups = [u if use else None for u, use in zip(ups, which)]
-        with torch.no_grad():
-            out = fused_ops.importance_sampling(*args)
-        got = bwd(*ups, *[a.detach() for a in args], out[0], out[2])
-        ref_out = reference.importance_sampling(*args)
-        loss = sum((o * u).sum() for o, u in zip(ref_out, ups) if u is not None)
-        want = torch.autograd.grad(loss, args, allow_unused=True)
-        ok = True
-        for g, r in zip(got, want):
-            r = torch.zeros_like(g) if r is None else r
-            scale = max(r.abs().max().item(), 1e-3)
-            ok &= bool(torch.isfinite(g).all()) and torch.allclose(g, r, rtol=1e-3, atol=1e-3 * scale)
-        failures += not ok
-        print(f"IS backward N={n} D={d} K={k} {dtype} grads={which}: {'ok' if ok else 'MISMATCH'}")
-    torch.cuda.synchronize()
-    return failures
-
-
-def run_flow_backward():
-    torch.manual_seed(0)
-    failures = 0
-    for b, d, h, steps, dtype in FLOW_BACKWARD_CASES:
-        args = [t.requires_grad_() for t in flow_inputs(b, d, h, dtype)]
-        upstream = torch.randn(b, d, device="cuda", dtype=dtype)
-        got = torch.autograd.grad(fused_ops.flow_euler(*args, steps), args, upstream)
-        want = torch.autograd.grad(reference.flow_euler(*args, steps), args, upstream)
-        ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
-        failures += not ok
-        print(f"flow backward B={b} D={d} H={h} steps={steps} {dtype}: {'ok' if ok else 'MISMATCH'}")
-    torch.cuda.synchronize()
-    return failures
-
-
-# vae_elbo_backward (csrc/cuda/vae_elbo_backward.cu: the persistent one-launch
-# path up to 1.5e9 multiply-adds, else cuBLAS products plus elementwise and
-# column-sum kernels): (B, I, H, L, dtype, upstreams).
-VAE_BWD_CASES = [
-    (128, 784, 256, 32, torch.float32, ("elbo", "recon", "kl")),  # default size
-    (2048, 784, 256, 32, torch.float32, ("elbo",)),  # cuBLAS path
-    (37, 1000, 130, 17, torch.float32, ("elbo",)),  # odd sizes, partial column-sum blocks
-    (5, 5, 7, 3, torch.float32, ("kl",)),  # tiny; recon upstream None
-    (70, 33, 16, 5, torch.float64, ("recon", "kl")),  # float64; elbo upstream None
-    (0, 6, 5, 3, torch.float32, ("elbo",)),  # empty batch: zero weight gradients
+FLOW_CASES = [
+    case("split", 8, 64, 256, 4, F32, note="4 blocks per row, the default size"),
+    case("split", 3, 64, 256, 2, F32, note="4 blocks per row"),
+    case("split", 40, 64, 256, 3, F32, note="2 blocks per row"),
+    case("row", 70, 64, 256, 1, F32, note="one block per row"),
+    case("row", 8, 64, 256, 2, F32, note="forced at the default size"),
+    case("cluster", 3, 5, 20, 2, F32, note="everything padded"),
+    case("cluster", 32, 100, 130, 2, F32, note="4 row chunks, ragged neuron slices"),
+    case("cluster", 1, 1, 3, 1, F32, note="smallest"),
+    case("cluster", 32, 64, 300, 2, F32, note="long ragged k-segments"),
+    case("wgmma", 4096, 64, 256, 2, F32, note="the large-batch default (sm_90a build)"),
+    case("wgmma", 300, 64, 256, 1, F32, note="a ragged last tile"),
+    case("tiled", 129, 100, 130, 2, F32, note="ragged last tile, padded K"),
+    case("tiled", 40, 3, 300, 1, F32, note="two column passes"),
+    case("tiled", 300, 64, 256, 1, F32, note="the default D and H"),
+    case("general", 8, 5, 1100, 1, F32, note="too large for the cluster and tile paths"),
+    case("general", 37, 6, 33, 2, F64, note="float64"),
+    case("general", 8, 64, 256, 2, F32, note="forced at the default size"),
 ]
 
+FLOW_BACKWARD_CASES = [
+    case("resident", 8, 64, 256, 4, F32, note="the default size"),
+    case("resident", 1, 1, 3, 1, F32, note="smallest, a single step"),
+    case("resident", 37, 6, 33, 3, F64, note="float64"),
+    case("streaming", 300, 5, 37, 3, F32, note="two chunks, the last ragged; ragged column tiles"),
+    case("streaming", 4096, 64, 256, 2, F32, note="16 chunks"),
+    case("streaming", 70, 6, 33, 8, F64, note="float64"),
+    case("streaming", 8, 64, 256, 4, F32, note="forced at the default size"),
+    case(NATURAL, 0, 4, 9, 2, F32, note="empty batch: zero weight gradients"),
+]
 
-def run_vae_backward():
-    failures = 0
-    names = ("elbo", "recon", "kl")
-    for b, i, h, l_, dtype, used in VAE_BWD_CASES:
-        args = [t.requires_grad_() for t in vae_inputs(b, i, h, l_, dtype)]
-        ups = {n: torch.randn(b, device="cuda", dtype=dtype) for n in used}
-        out = dict(zip(names, fused_ops.vae_elbo(*args)))
-        got = torch.autograd.grad([out[n] for n in used], args, [ups[n] for n in used])
-        ref = reference.VAE(i, h, l_).to(device="cuda", dtype=dtype)
-        pnames = [n for n, _ in ref.named_parameters()]
-        rout = dict(zip(names, torch.func.functional_call(ref, dict(zip(pnames, args[2:])),
-                                                          (args[0], args[1]))))
-        want = torch.autograd.grad([rout[n] for n in used], args, [ups[n] for n in used],
-                                   allow_unused=True, materialize_grads=True)
-        ok = True
-        for g, r in zip(got, want):
-            scale = r.abs().max().item() if r.numel() else 1.0
-            ok &= torch.allclose(g, r, atol=1e-5 * max(scale, 1e-3), rtol=1e-4)
-        failures += not ok
-        print(f"vae_elbo backward B={b} I={i} H={h} L={l_} {dtype} {used}: "
-              f"{'ok' if ok else 'MISMATCH'}")
-    torch.cuda.synchronize()
-    return failures
+VAE_CASES = [
+    case("cluster", 128, 784, 256, 32, F32, note="8-CTA clusters, float4 weight reads (the default size)"),
+    case("cluster", 16, 784, 256, 32, F32, note="one 16-CTA cluster"),
+    case("cluster", 300, 64, 128, 8, F32, note="more tiles than resident clusters"),
+    case("cluster", 37, 1000, 130, 17, F32, note="scalar reads, partial row tile"),
+    case("cluster", 5, 5, 7, 3, F32, note="slices smaller than the cluster (empty CTAs)"),
+    case("wgmma", 2053, 784, 256, 32, F32, note="partial last tile (sm_90a build)"),
+    case("wgmma", 2048, 130, 256, 17, F32, note="a full decoder pass and a tail pass"),
+    case("wgmma", 100, 784, 256, 32, F32, note="one partial tile"),
+    case("tiled", 2048, 37, 40, 5, F32, note="odd I and L"),
+    case("tiled", 2048, 784, 256, 64, F32, note="shared memory above 200 KB"),
+    case("tiled", 100, 784, 256, 32, F32, note="the default shape, one partial tile"),
+    case("general", 3, 4000, 1500, 40, F32, note="activations exceed shared memory"),
+    case("general", 9, 33, 16, 5, F64, note="float64"),
+    case("general", 128, 784, 256, 32, F32, note="forced at the default size"),
+]
 
+VAE_BACKWARD_CASES = [
+    case(NATURAL, 128, 784, 256, 32, F32, ("elbo", "recon", "kl"), note="the default size"),
+    case(NATURAL, 2048, 784, 256, 32, F32, ("elbo",), note="a large batch"),
+    case(NATURAL, 37, 1000, 130, 17, F32, ("elbo",), note="odd sizes, partial column-sum blocks"),
+    case(NATURAL, 5, 5, 7, 3, F32, ("kl",), note="tiny; recon upstream absent"),
+    case(NATURAL, 70, 33, 16, 5, F64, ("recon", "kl"), note="float64; elbo upstream absent"),
+    case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), note="empty batch: zero weight gradients"),
+]
 
-def run_importance_sampling():
-    failures = 0
-    for n, d, k, dtype in CASES:
-        args = is_inputs(n, d, k, dtype)
-        got = fused_ops.importance_sampling(*args)
-        want = reference.importance_sampling(*args)
-        ok = all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, want))
-        failures += not ok
-        print(f"N={n} D={d} K={k} {dtype}: {'ok' if ok else 'MISMATCH'}")
-    torch.cuda.synchronize()
-    return failures
-
-
-GROUPS = {
-    "importance_sampling": run_importance_sampling,
-    "importance_sampling_backward": run_is_backward,
-    "flow": run_flow,
-    "flow_backward": run_flow_backward,
-    "vae": run_vae,
-    "vae_backward": run_vae_backward,
+# op -> (runner, cases); the runner's forced path is the op's own table's.
+OPS = {
+    "importance_sampling": (run_is, IS_CASES),
+    "importance_sampling_backward": (run_is_backward, IS_BACKWARD_CASES),
+    "flow_euler": (run_flow, FLOW_CASES),
+    "flow_euler_backward": (run_flow_backward, FLOW_BACKWARD_CASES),
+    "vae_elbo": (run_vae, VAE_CASES),
+    "vae_elbo_backward": (run_vae_backward, VAE_BACKWARD_CASES),
 }
+ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
+           "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}
 
 
-def main(argv):
-    """Runs the named groups (all by default); exit status 1 on any mismatch."""
-    names = argv or list(GROUPS)
-    unknown = [n for n in names if n not in GROUPS]
-    if unknown:
-        sys.exit(f"unknown groups {unknown}; choose from {list(GROUPS)}")
+# ----------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------
+
+
+class NotApplicable(Exception):
+    """The forced path's condition does not hold for this case."""
+
+
+def table_paths(op: str) -> list:
+    """The op's CUDA paths in this build, or [] without a table."""
+    if _paths is None or (op, "cuda") not in _paths.tables():
+        return []
+    return _paths.names(op)
+
+
+def run_one(op: str, runner: Callable, c: Case, path) -> Tuple[bool, str]:
+    """Runs one case, forced to ``path`` (None: unforced); returns (matched, path taken)."""
+    torch.manual_seed(0)
+    try:
+        with _paths.force(op, path) if path is not None else contextlib.nullcontext():
+            ok = bool(runner(*c.size))
+            torch.cuda.synchronize()
+    except RuntimeError as exc:
+        if path is not None and "does not apply to this call" in str(exc):
+            raise NotApplicable(str(exc).splitlines()[0]) from exc
+        raise
+    taken = _paths.last(op) if table_paths(op) else "-"
+    return ok, taken
+
+
+def describe(op: str, c: Case) -> str:
+    size = " ".join(str(v).replace("torch.", "") for v in c.size)
+    return f"{op} ({size})" + (f" [{c.note}]" if c.note else "")
+
+
+def run_op(op: str) -> Tuple[int, list]:
+    """Every path of ``op``; returns (mismatches, paths that ran on no case)."""
+    runner, cases = OPS[op]
+    paths = table_paths(op)
     failures = 0
-    for name in names:
-        torch.manual_seed(0)
-        failures += GROUPS[name]()
-    return 1 if failures else 0
+    ran = set()
+
+    def attempt(c: Case, path) -> bool:
+        nonlocal failures
+        try:
+            ok, taken = run_one(op, runner, c, path)
+        except NotApplicable:
+            print(f"  skip      {describe(op, c)}: path '{path}' does not apply on this device or build")
+            return False
+        ran.add(taken)
+        failures += not ok
+        print(f"  {'ok' if ok else 'MISMATCH':<9} {describe(op, c)}: path {taken}"
+              + ("" if path is None or taken == path else f" (forced {path})"), flush=True)
+        return True
+
+    print(f"{op}: paths {', '.join(paths) if paths else '(no table: unforced)'}", flush=True)
+    for c in cases:
+        if not paths or c.paths == (NATURAL,):
+            attempt(c, None)
+        for path in c.paths:
+            if paths and path != NATURAL and path in paths:
+                attempt(c, path)
+            elif paths and path != NATURAL:
+                print(f"  note      {describe(op, c)}: this build has no path '{path}'")
+    for path in paths:
+        if path in ran:
+            continue
+        for c in sorted(cases, key=Case.cost):  # no case named it, or none applied: find one
+            if attempt(c, path):
+                break
+    missing = [p for p in paths if p not in ran]
+    return failures, missing
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ops", nargs="*", help=f"ops to run (default: all): {', '.join(OPS)}")
+    parser.add_argument("--list", action="store_true", help="print the cases and this build's paths, run nothing")
+    args = parser.parse_args(argv)
+    names = []
+    for name in args.ops or list(OPS):
+        names += ALIASES.get(name, [name])
+    unknown = [n for n in names if n not in OPS]
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {list(OPS)}")
+    if args.list:
+        for op in names:
+            print(f"{op}: paths of this build: {table_paths(op) or '(no table)'}")
+            for c in OPS[op][1]:
+                print(f"  {'/'.join(c.paths):<10} {describe(op, c)}")
+        return 0
+    if not torch.cuda.is_available():
+        print("sanitize_run needs a CUDA device", file=sys.stderr)
+        return 2
+    failures, missing = 0, []
+    for op in names:
+        f, m = run_op(op)
+        failures += f
+        missing += [f"{op}/{p}" for p in m]
+    print(f"summary: {failures} mismatches; paths not run: {', '.join(missing) if missing else 'none'}")
+    return 1 if failures or missing else 0
 
 
 if __name__ == "__main__":
