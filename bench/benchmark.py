@@ -377,12 +377,12 @@ def run_case(
             row["variants"][name] = result
             if result["status"] == "ok":
                 print(f"    {name:<12} {format_us(result['median_us']):>10} us", flush=True)
-            release_memory(device)
+            free_memory(device)
 
     row["match"] = row["variants"][FUSED].get("match")
     row["speedup"] = speedups(row)
     del reference, inputs, expected
-    release_memory(device)
+    free_memory(device)
     return row
 
 
@@ -402,7 +402,7 @@ def kernel_paths(workload: Workload, device: torch.device, train: bool) -> Dict[
     return {op: path for op, path in found.items() if path is not None}
 
 
-def release_memory(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     """Drop compiled graphs and cached blocks between variants and cases."""
     torch._dynamo.reset()
     gc.collect()
