@@ -45,7 +45,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(BENCH_DIR.parent))
 
 from bench.benchmark import resolve_device, synchronize  # noqa: E402
-from bench.report import collect_metadata, device_slug  # noqa: E402
+from bench.report import collect_metadata  # noqa: E402
 
 SEED = 0
 DATA_SEED = 1234
