@@ -198,7 +198,7 @@ IS_CASES = [
     case("general", 1000, 16, 3, F32, note="forced at a size the fast path takes"),
 ]
 
-IS_BACKWARD_CASES = [
+IS_BACKWARD_CASES = [  # one path ("tiled"): every case takes it
     case(NATURAL, 4096, 16, 3, F32, (1, 1, 1), note="the default size"),
     case(NATURAL, 1000003, 5, 3, F32, (1, 1, 1), note="several sample tiles per block"),
     case(NATURAL, 129, 700, 3, F32, (1, 0, 1), note="more gradient entries than threads"),
@@ -247,21 +247,23 @@ VAE_CASES = [
     case("cluster", 5, 5, 7, 3, F32, note="slices smaller than the cluster (empty CTAs)"),
     case("wgmma", 2053, 784, 256, 32, F32, note="partial last tile (sm_90a build)"),
     case("wgmma", 2048, 130, 256, 17, F32, note="a full decoder pass and a tail pass"),
-    case("wgmma", 100, 784, 256, 32, F32, note="one partial tile"),
+    case("wgmma", 2048, 20, 256, 8, F32, note="the smallest shape it takes: any I, L <= 32"),
     case("tiled", 2048, 37, 40, 5, F32, note="odd I and L"),
     case("tiled", 2048, 784, 256, 64, F32, note="shared memory above 200 KB"),
-    case("tiled", 100, 784, 256, 32, F32, note="the default shape, one partial tile"),
+    case("tiled", 2048, 20, 64, 8, F32, note="small H and I"),
+    case("tiled", 2053, 784, 256, 32, F32, note="forced at a size the wgmma path takes"),
     case("general", 3, 4000, 1500, 40, F32, note="activations exceed shared memory"),
     case("general", 9, 33, 16, 5, F64, note="float64"),
     case("general", 128, 784, 256, 32, F32, note="forced at the default size"),
 ]
 
 VAE_BACKWARD_CASES = [
-    case(NATURAL, 128, 784, 256, 32, F32, ("elbo", "recon", "kl"), note="the default size"),
-    case(NATURAL, 2048, 784, 256, 32, F32, ("elbo",), note="a large batch"),
-    case(NATURAL, 37, 1000, 130, 17, F32, ("elbo",), note="odd sizes, partial column-sum blocks"),
-    case(NATURAL, 5, 5, 7, 3, F32, ("kl",), note="tiny; recon upstream absent"),
-    case(NATURAL, 70, 33, 16, 5, F64, ("recon", "kl"), note="float64; elbo upstream absent"),
+    case("persistent", 128, 784, 256, 32, F32, ("elbo", "recon", "kl"), note="the default size"),
+    case("persistent", 37, 1000, 130, 17, F32, ("elbo",), note="odd sizes, partial column-sum blocks"),
+    case("persistent", 5, 5, 7, 3, F32, ("kl",), note="tiny; recon upstream absent"),
+    case("persistent", 70, 33, 16, 5, F64, ("recon", "kl"), note="float64; elbo upstream absent"),
+    case("cublas", 2048, 784, 256, 32, F32, ("elbo",), note="above the one-launch bound"),
+    case("cublas", 37, 1000, 130, 17, F32, ("elbo", "kl"), note="forced at a size the persistent path takes"),
     case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), note="empty batch: zero weight gradients"),
 ]
 
