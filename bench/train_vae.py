@@ -16,14 +16,14 @@ per-image jitter, rendered from a fixed seed (see :func:`make_digits`).
 Per step it records the loss of every model and the wall time of the training
 step (zero_grad + forward + loss + backward + optimizer step, with a device
 synchronisation after it).  It prints the largest relative difference between
-the fused and reference loss curves and writes
-``bench/results/train-vae-<device-slug>.{json,md,png}``.
+the fused and reference loss curves and the time per step; ``--save`` writes
+``bench/results/train-vae-<device-slug>.{json,md,png}`` (``--out DIR``: to DIR).
 
 Usage, from the repository root::
 
     python -m bench.train_vae                      # cuda if available
     python -m bench.train_vae --device cpu --steps 100
-    python -m bench.train_vae --device cuda --compile --steps 500
+    python -m bench.train_vae --device cuda --compile --steps 500 --save
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(BENCH_DIR.parent))
 
-from bench.benchmark import collect_metadata, device_slug, resolve_device, synchronize  # noqa: E402
+from bench.benchmark import resolve_device, synchronize  # noqa: E402
+from bench.report import collect_metadata  # noqa: E402
 
 SEED = 0
 DATA_SEED = 1234
@@ -309,8 +310,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "machine fewer threads than cores avoid OpenMP oversubscription stalls")
     parser.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the time statistics")
     parser.add_argument("--log-every", type=int, default=50, help="print losses every N steps (0: never)")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="output directory")
-    parser.add_argument("--no-write", action="store_true", help="do not write the result files")
+    parser.add_argument("--save", action="store_true",
+                        help="write bench/results/train-vae-<device>.{json,md,png} (default: print only)")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="write the result files to DIR instead")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
@@ -346,8 +349,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     print(format_markdown(meta, config, summary))
     for name, diff in summary["max_rel_diff_vs_reference"].items():
         print(f"max relative difference of the {name} loss curve vs the reference over {args.steps} steps: {diff:.3e}")
-    if not args.no_write:
-        for path in write_outputs(meta, config, result, summary, args.out):
+    out_dir = args.out if args.out is not None else BENCH_DIR / "results" if args.save else None
+    if out_dir is not None:
+        for path in write_outputs(meta, config, result, summary, out_dir):
             print(f"wrote {path}")
     return {"metadata": meta, "config": config, "summary": summary, **result}
 

@@ -1,6 +1,7 @@
 """The training demo (bench/train_vae.py) and the benchmark's training-step rows, on CPU, tiny sizes."""
 
 import dataclasses
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -53,7 +54,9 @@ def test_train_demo_fused_and_reference_losses_agree(tmp_path):
     assert ref[-1] != ref[0]
     for name in ("reference", "fused"):
         assert len(out["times_s"][name]) == 3 and all(t > 0 for t in out["times_s"][name])
-    for suffix in ("json", "md", "png"):
+    # The chart needs matplotlib (the "bench" extra), which the test set-up does not install.
+    charts = ("png",) if importlib.util.find_spec("matplotlib") else ()
+    for suffix in ("json", "md", *charts):
         assert (tmp_path / f"train-vae-cpu.{suffix}").is_file()
     assert "max rel. diff" in (tmp_path / "train-vae-cpu.md").read_text()
 
@@ -133,12 +136,3 @@ def test_fused_compile_ro_sits_beside_fused_not_among_the_baselines():
     headers, cells = benchmark.build_table([row], cuda=False)
     assert "x fused_compile_ro" not in headers and "x fused" not in headers
     assert cells[0][headers.index("fused_compile_ro")] == benchmark.format_us(5.0)
-
-
-def test_autograd_floor_times_eager_fused_and_the_no_op():
-    from bench import autograd_floor
-
-    rows = autograd_floor.time_steps(batch=2, device=torch.device("cpu"), min_run_time=0.01)
-    assert [n for n, _ in rows] == ["eager", "fused", "floor"] and all(us > 0 for _, us in rows)
-    report = autograd_floor.format_report(torch.device("cpu"), 2, rows)
-    assert "| floor |" in report and "x eager" in report

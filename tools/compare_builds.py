@@ -10,7 +10,7 @@ for every row the median over rounds of each build's per-call median
 (``fused`` and ``eager``; eager does not involve fused_ops and shows the
 noise of the machine) and the spread over rounds.
 
-    python -m bench.compare_builds --build stable=/tmp/site_new \\
+    python -m tools.compare_builds --build stable=/tmp/site_new \\
         --build aten=/tmp/old_tree --rounds 3 --out /tmp/ab -- --ops importance_sampling --no-compile
 
 The benchmark processes run in a temporary directory holding only a copy of
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         parser.error("give exactly two --build LABEL=PATH")
     bench_args = [a for a in args.bench_args if a != "--"]
     cwd = Path(tempfile.mkdtemp(prefix="compare_builds_"))
-    shutil.copytree(Path(__file__).resolve().parent, cwd / "bench",
+    shutil.copytree(Path(__file__).resolve().parents[1] / "bench", cwd / "bench",
                     ignore=shutil.ignore_patterns("__pycache__", "results"))
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

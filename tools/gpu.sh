@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Everything a CUDA change needs before it is done, in one run on a GPU machine:
 # build, the test suite, compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over
-# a small run of every kernel path, kernel-vs-call timing, and the benchmark.
+# every kernel path of every op (tools/sanitize_run.py forces each path of each table),
+# kernel-vs-call timing, and the benchmark; optionally a timing comparison with another build.
 #
-#   OUT=/some/dir bash bench/gpu.sh         # logs + results land in $OUT
+#   OUT=/some/dir bash tools/gpu.sh         # logs + results land in $OUT
 #   TEST_FILES="test_flow_euler.py" BENCH_ARGS="--ops flow" ...   # a narrower run
-#   SANITIZE_GROUPS="flow vae" SANITIZE_TOOLS="memcheck racecheck" SKIP_BENCH=1 ...
-#   FUSED_OPS_WHEEL=dist/x.whl OUT=... bash bench/gpu.sh
+#   SANITIZE_GROUPS="flow vae_elbo" SANITIZE_TOOLS="memcheck racecheck" SKIP_BENCH=1 ...
+#                        (ops of tools/sanitize_run.py; "flow"/"vae": forward and backward)
+#   BENCH_MODES="forward train"   benchmark modes (default: forward): $OUT/<device>.* and
+#                        $OUT/<device>-train.*, the files bench/results/ keeps
+#   FUSED_OPS_WHEEL=dist/x.whl OUT=... bash tools/gpu.sh
 #       installs that wheel (built elsewhere, e.g. on the CI machine) instead of
 #       building, and runs everything against the installed package from a
 #       directory outside the source tree: the "one wheel" check of the stable ABI.
@@ -16,13 +20,12 @@
 #                        once (files dealt round-robin; one log per shard)
 #   SKIP_TESTS=1         no test stage (e.g. a sanitizer-only or timing-only run)
 #   SANITIZE_TOOLS=none  no compute-sanitizer stage
-#   SANITIZE_TIMEOUT=420 seconds per sanitizer tool (racecheck over every group took
-#                        ~250 s on the H200, eighteenth session's runs 5-6)
+#   SANITIZE_TIMEOUT=420 seconds per sanitizer tool (racecheck is the slowest)
 #   KERNEL_ARGS="--train --ops vae"   arguments of the kernel-timing stage
 #   COMPARE_WITH=old.tar.gz COMPARE_ARGS="--device cuda --ops importance_sampling --no-compile"
 #       also builds that source tree (a `git archive` of another commit) in
 #       place and times it against the build under test in one process pair
-#       per round (bench/compare_builds.py) -> $OUT/compare/compare-builds.{md,json}
+#       per round (tools/compare_builds.py) -> $OUT/compare/compare-builds.{md,json}
 #
 # A copy of the tree without .git can pass FUSED_OPS_GIT_COMMIT=<sha> so the
 # benchmark results record the commit they measured.
@@ -36,9 +39,9 @@ mkdir -p "$LOGS"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 export PYTHONUNBUFFERED=1
-# Build with the system compiler (the one torch was built with).  On the H200
-# image CXX points at /opt/gcc/bin/g++, and the extension it built crashed in
-# libstdc++ stream code (inside our .so) on the first error message.
+# Build with the system compiler (the one torch was built with): a CXX that
+# brings its own libstdc++ (some GPU images set one) builds an extension that
+# crashes in libstdc++ stream code on its first error message.
 export CXX=${FUSED_OPS_CXX:-g++} CC=${FUSED_OPS_CC:-gcc}
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.txt
@@ -70,10 +73,10 @@ if [[ -n "${FUSED_OPS_WHEEL:-}" ]]; then
     exit 1
   fi
   export PYTHONPATH=$SITE FUSED_OPS_TEST_INSTALLED=1
-  # Run from a directory holding only a copy of bench/, so `import fused_ops`
-  # finds the installed wheel, never ./fused_ops of the source tree.
+  # Run from a directory holding only copies of bench/ and tools/, so `import
+  # fused_ops` finds the installed wheel, never ./fused_ops of the source tree.
   RUN_DIR=$(mktemp -d)
-  cp -r bench "$RUN_DIR/"
+  cp -r bench tools "$RUN_DIR/"
 elif [[ -n "${SKIP_BUILD:-}" ]]; then
   # The caller built the extension in place (setup.py build_ext --inplace).
   export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -116,8 +119,8 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
 fi
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   [[ $tool == none ]] && continue
-  stage "$tool" timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$REPO/bench/sanitize_run.py" ${SANITIZE_GROUPS:-}
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH" "$LOGS/$tool.log" | tee -a "$SUMMARY"
+  stage "$tool" timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$RUN_DIR/tools/sanitize_run.py" ${SANITIZE_GROUPS:-}
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH|^summary:" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
 if [[ -n "${COMPARE_WITH:-}" ]]; then
   # The other build: its source tree built in place with the same compiler,
@@ -127,7 +130,7 @@ if [[ -n "${COMPARE_WITH:-}" ]]; then
   OTHER=$(mktemp -d)/src
   mkdir -p "$OTHER" && tar -xzf "$ARCHIVE" -C "$OTHER"
   if stage build_other bash -c "cd '$OTHER' && FORCE_CUDA=1 $PY setup.py build_ext --inplace"; then
-    stage compare timeout ${COMPARE_TIMEOUT:-300} $PY -m bench.compare_builds \
+    stage compare timeout ${COMPARE_TIMEOUT:-300} $PY -m tools.compare_builds \
       --build "${COMPARE_LABEL:-current}=${SITE:-$REPO}" --build "${COMPARE_OTHER_LABEL:-other}=$OTHER" \
       --rounds ${COMPARE_ROUNDS:-3} --out "$OUT/compare" -- ${COMPARE_ARGS:---device cuda --ops importance_sampling --no-compile}
     tail -n 8 "$LOGS/compare.log" | tee -a "$SUMMARY"
@@ -139,10 +142,13 @@ if [[ -n "${COMPARE_WITH:-}" ]]; then
   fi
 fi
 if [[ -z "${SKIP_BENCH:-}" ]]; then
-stage kernels timeout 120 $PY -m bench.kernel_timing ${KERNEL_ARGS:-}
+stage kernels timeout 120 $PY -m tools.kernel_timing ${KERNEL_ARGS:-}
 cat "$LOGS/kernels.log"
-stage bench timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" ${BENCH_ARGS:-}
-cat "$LOGS/bench.log"
+for mode in ${BENCH_MODES:-forward}; do
+  case $mode in forward) MODE_ARGS=() ;; train) MODE_ARGS=(--train) ;; *) echo "unknown BENCH_MODES entry $mode"; continue ;; esac
+  stage "bench-$mode" timeout ${BENCH_TIMEOUT:-420} $PY -m bench.benchmark --device cuda --out "$OUT" "${MODE_ARGS[@]}" ${BENCH_ARGS:-}
+  cat "$LOGS/bench-$mode.log"
+done
 fi
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 cat "$SUMMARY"

@@ -2,8 +2,8 @@
 time a back-to-back caller sees, for every workload and size of the
 benchmark.
 
-    python -m bench.kernel_timing                      # CUDA only
-    python -m bench.kernel_timing --train --ops vae    # training steps (forward + backward)
+    python -m tools.kernel_timing                      # CUDA only, from the repository root
+    python -m tools.kernel_timing --train --ops vae    # training steps (forward + backward)
 
 Kernel time comes from torch.profiler (sum of the CUDA kernels one call
 launches, averaged over calls); per-call time from torch.utils.benchmark, as
@@ -20,7 +20,7 @@ import torch
 import torch.utils.benchmark as tb
 from torch.profiler import ProfilerActivity, profile
 
-from bench.benchmark import WORKLOADS, make_train_step
+from bench.benchmark import WORKLOADS, kernel_paths, make_train_step
 
 
 def main(argv=None) -> int:
@@ -64,8 +64,9 @@ def main(argv=None) -> int:
                 if event.device_type == torch.autograd.DeviceType.CUDA:
                     kernels[event.name[:90]] += event.time_range.elapsed_us() / calls
             total = sum(kernels.values())
+            paths = ", ".join(f"{op} {p}" for op, p in kernel_paths(workload, torch.device("cuda"), args.train).items())
             print(f"{workload.name}{'_train' if args.train else ''}/{size} {params}: per call {wall.median * 1e6:.1f} us, "
-                  f"kernels {total:.1f} us/call")
+                  f"kernels {total:.1f} us/call" + (f" (paths: {paths})" if paths else ""))
             for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:9.1f} us  {name}")
             if args.cpu_ops:

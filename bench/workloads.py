@@ -1,0 +1,367 @@
+"""The benchmarked workloads: sizes, reference and fused modules, inputs, peers,
+targets and training losses (the protocol of DESIGN.md section 5), and the
+training step the ``--train`` rows time.
+
+Sizes are the defaults of DESIGN.md section 1 and one large size per op; the
+targets are DESIGN.md section 7's (H200) and the training targets issue 5's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+
+SEED = 0
+ATOL = RTOL = 1e-4
+# Training rows compare a scalar loss and parameter gradients (sums over the
+# batch), which accumulate more rounding than a forward output.
+TRAIN_ATOL = TRAIN_RTOL = 1e-3
+TRAIN_SUFFIX = "_train"
+OPTIMIZERS = ("none", "sgd", "adam")
+DEFAULT_OUT = BENCH_DIR / "results"
+QUICK_MIN_RUN_TIME = 0.01  # seconds
+TABLE_LEGEND = (
+    "times: median us per call; `x <baseline>` = baseline time / fused time (> 1: fused is faster)"
+)
+
+# Variant names in display order.  Peers (e.g. "torchdiffeq") sit between the
+# torch.compile rows and "fused"; see ``ordered_variants``.  FUSED_RO is the
+# fused module under torch.compile(mode="reduce-overhead") (CUDA only): what a
+# user who also captures CUDA graphs gets.  It is shown beside "fused", not
+# as a baseline; the speed-ups and targets are those of eager "fused".
+EAGER, COMPILE, COMPILE_RO, FUSED, FUSED_RO = "eager", "compile", "compile_ro", "fused", "fused_compile_ro"
+BASE_VARIANTS = (EAGER, COMPILE, COMPILE_RO)
+FUSED_VARIANTS = (FUSED, FUSED_RO)
+
+# Calls before timing.  reduce-overhead needs a warm-up call and a recording
+# call before it replays its CUDA graph; the rest just need compilation,
+# allocator and cuBLAS/cuDNN heuristics settled.
+WARMUP_CALLS = {EAGER: 3, COMPILE: 3, COMPILE_RO: 5, FUSED_RO: 5}
+DEFAULT_WARMUP_CALLS = 3
+
+Params = Dict[str, int]
+Inputs = Tuple[torch.Tensor, ...]
+
+
+# ----------------------------------------------------------------------------
+# Workload registry
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmarked operator: everything the driver needs to time it.
+
+    Attributes:
+        name: workload name used by ``--ops`` and in the outputs.
+        fused_name: class name in ``fused_ops.nn`` of the fused module; the
+            workload counts as implemented when that attribute exists.
+        op: the ``torch.ops.fused_ops`` op the fused module calls (its
+            kernel-path table has that name; the backward's ``<op>_backward``).
+        sizes: size name (``"default"``, ``"large"``) -> parameters.
+        make_reference: parameters -> reference ``nn.Module`` (on CPU; the
+            driver seeds torch first and moves it to the device).
+        make_inputs: parameters -> tuple of CPU input tensors, passed
+            positionally to every variant.
+        make_fused: reference module (already on the device) -> fused module.
+            Defaults to ``fused_ops.nn.<fused_name>.from_reference``.
+        peers: other implementations timed as baselines, by name.
+        targets_us: size name -> DESIGN.md section 7's per-call target in us
+            (H200, CUDA); sizes whose target is relative to a CUDA-graph
+            replay (IS N=4096, VAE B=128) have none here.
+        train_loss: outputs of the module -> scalar loss of a training step
+            (``--train``); ``None``: the workload has no training rows.
+        make_trainable: reference module -> the module to train (in place;
+            e.g. buffers turned into parameters).  Defaults to the module.
+        make_fused_trainable: trainable reference -> fused module sharing its
+            parameters.  Defaults to ``build_fused``.
+        train_speedup_targets: size name -> {baseline variant: minimum
+            ``baseline time / fused time``} of the training step (CUDA).
+    """
+
+    name: str
+    fused_name: str
+    op: str
+    sizes: Dict[str, Params]
+    make_reference: Callable[[Params], torch.nn.Module]
+    make_inputs: Callable[[Params], Inputs]
+    make_fused: Optional[Callable[[torch.nn.Module], Callable]] = None
+    peers: Dict[str, Peer] = field(default_factory=dict)
+    targets_us: Dict[str, float] = field(default_factory=dict)
+    train_loss: Optional[Callable[[Any], torch.Tensor]] = None
+    make_trainable: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
+    make_fused_trainable: Optional[Callable[[torch.nn.Module], Callable]] = None
+    train_speedup_targets: Dict[str, Dict[str, float]] = field(default_factory=dict)
+
+    def fused_available(self) -> bool:
+        """Whether ``fused_ops.nn`` provides this workload's fused module."""
+        import fused_ops.nn
+
+        return hasattr(fused_ops.nn, self.fused_name)
+
+    def build_fused(self, reference: torch.nn.Module) -> Callable:
+        """The fused module for ``reference`` (sharing its parameters)."""
+        if self.make_fused is not None:
+            return self.make_fused(reference)
+        import fused_ops.nn
+
+        return getattr(fused_ops.nn, self.fused_name).from_reference(reference)
+
+    def build_trainable(self, reference: torch.nn.Module) -> torch.nn.Module:
+        """The module a training step trains, made from a fresh reference."""
+        return reference if self.make_trainable is None else self.make_trainable(reference)
+
+    def build_fused_trainable(self, trainable: torch.nn.Module) -> Callable:
+        """The fused module sharing the parameters of ``trainable``."""
+        if self.make_fused_trainable is not None:
+            return self.make_fused_trainable(trainable)
+        return self.build_fused(trainable)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A third-party implementation of a workload, timed as another baseline.
+
+    Attributes:
+        requires: top-level module that must be importable (else skipped).
+        make: reference module -> callable taking the workload's inputs.
+    """
+
+    requires: str
+    make: Callable[[torch.nn.Module], Callable]
+
+    def available(self) -> bool:
+        """Whether the peer's library is installed."""
+        return importlib.util.find_spec(self.requires) is not None
+
+
+def shape_label(params: Params) -> str:
+    """Compact ``"N=4096,D=16,K=3"`` label of a parameter dict."""
+    return ",".join(f"{key}={value}" for key, value in params.items())
+
+
+# --- importance sampling ----------------------------------------------------
+
+
+def _is_reference(p: Params) -> torch.nn.Module:
+    from fused_ops.reference import ImportanceSampler
+
+    return ImportanceSampler(p["D"], num_components=p["K"])
+
+
+def _is_inputs(p: Params) -> Inputs:
+    return (torch.randn(p["N"], p["D"]) * 3.0,)
+
+
+IS_TENSORS = ("mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
+
+
+def _is_trainable(module: torch.nn.Module) -> torch.nn.Module:
+    """Turn the sampler's five buffers into ``nn.Parameter``s (same names, values)."""
+    for name in IS_TENSORS:
+        value = getattr(module, name)
+        delattr(module, name)
+        module.register_parameter(name, torch.nn.Parameter(value.detach().clone()))
+    return module
+
+
+def _is_fused_trainable(trainable: torch.nn.Module) -> torch.nn.Module:
+    """A ``fused_ops.nn.ImportanceSampler`` whose five tensors are ``trainable``'s parameters."""
+    import fused_ops.nn
+
+    num_components, dim = trainable.mix_mus.shape
+    fused = fused_ops.nn.ImportanceSampler(dim, num_components=num_components).to(trainable.mix_mus.device)
+    for name in IS_TENSORS:
+        delattr(fused, name)
+        fused.register_parameter(name, getattr(trainable, name))
+    return fused
+
+
+def _is_loss(outputs: Any) -> torch.Tensor:
+    weighted_mean, ess = outputs
+    return weighted_mean.square().sum() - ess.log()
+
+
+# --- flow ODE -----------------------------------------------------------------
+
+
+def _flow_reference(p: Params) -> torch.nn.Module:
+    from fused_ops.reference import FlowODE
+
+    return FlowODE(p["D"], p["steps"])
+
+
+def _flow_inputs(p: Params) -> Inputs:
+    return (torch.randn(p["B"], p["D"]),)
+
+
+def _flow_loss(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean()
+
+
+def _flow_torchdiffeq(reference: torch.nn.Module) -> Callable:
+    """``torchdiffeq.odeint`` (fixed-grid Euler) computing what ``FlowODE`` computes.
+
+    torchdiffeq's Euler evaluates the field at the start of each step, while
+    the reference evaluates it at the step's midpoint time, so the ODE function
+    shifts ``t`` by half a step.
+    """
+    import torchdiffeq
+
+    steps = reference.num_steps
+    velocity = reference.velocity
+    half_step = 0.5 / steps
+    grid = torch.linspace(0.0, 1.0, steps + 1, device=reference.dt.device, dtype=reference.dt.dtype)
+
+    def func(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t_mid = (t + half_step).to(x.dtype).reshape(1, 1).expand(x.shape[0], 1)
+        return velocity(torch.cat([x, t_mid], dim=-1))
+
+    def solve(x0: torch.Tensor) -> torch.Tensor:
+        return torchdiffeq.odeint(func, x0, grid, method="euler")[-1]
+
+    return solve
+
+
+# --- VAE ----------------------------------------------------------------------
+
+
+def _vae_reference(p: Params) -> torch.nn.Module:
+    from fused_ops.reference import VAE
+
+    return VAE(p["I"], p["H"], p["L"])
+
+
+def _vae_inputs(p: Params) -> Inputs:
+    x = torch.rand(p["B"], p["I"])
+    eps = torch.randn(p["B"], p["L"])
+    return x, eps
+
+
+def _vae_loss(outputs: Any) -> torch.Tensor:
+    elbo = outputs[0]
+    return -elbo.mean()
+
+
+WORKLOADS: Dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            name="importance_sampling",
+            op="importance_sampling",
+            fused_name="ImportanceSampler",
+            sizes={
+                "default": {"N": 4096, "D": 16, "K": 3},
+                "large": {"N": 1_048_576, "D": 16, "K": 3},
+            },
+            make_reference=_is_reference,
+            make_inputs=_is_inputs,
+            targets_us={"large": 25.0},
+            train_loss=_is_loss,
+            make_trainable=_is_trainable,
+            make_fused_trainable=_is_fused_trainable,
+        ),
+        Workload(
+            name="flow",
+            op="flow_euler",
+            fused_name="FlowODE",
+            sizes={
+                "default": {"B": 8, "D": 64, "steps": 32},
+                "large": {"B": 4096, "D": 64, "steps": 32},
+            },
+            make_reference=_flow_reference,
+            make_inputs=_flow_inputs,
+            peers={"torchdiffeq": Peer(requires="torchdiffeq", make=_flow_torchdiffeq)},
+            targets_us={"default": 40.0, "large": 250.0},
+            train_loss=_flow_loss,
+        ),
+        Workload(
+            name="vae",
+            op="vae_elbo",
+            fused_name="VAE",
+            sizes={
+                "default": {"B": 128, "I": 784, "H": 256, "L": 32},
+                "large": {"B": 8192, "I": 784, "H": 256, "L": 32},
+            },
+            make_reference=_vae_reference,
+            make_inputs=_vae_inputs,
+            targets_us={"large": 80.0},
+            train_loss=_vae_loss,
+            # Issue 5: the fused training step >= 3x eager and faster than
+            # compile reduce-overhead at B=128; >= 1.3x eager at B=8192.
+            train_speedup_targets={
+                "default": {EAGER: 3.0, COMPILE_RO: 1.0},
+                "large": {EAGER: 1.3},
+            },
+        ),
+    )
+}
+
+
+
+# ----------------------------------------------------------------------------
+# Training steps
+# ----------------------------------------------------------------------------
+
+# The benchmark times thousands of steps; a tiny learning rate keeps the
+# parameters (positive scales of the importance sampler, say) where they were.
+TRAIN_LR = 1e-6
+
+
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter]) -> Optional[torch.optim.Optimizer]:
+    """``--optimizer``: ``None`` for "none", else SGD or Adam (default foreach implementation)."""
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=TRAIN_LR)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=TRAIN_LR)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+
+
+def make_train_step(
+    forward: Callable,
+    params: Sequence[torch.nn.Parameter],
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: str,
+    compile_kwargs: Optional[Dict[str, Any]] = None,
+) -> Callable[..., Tuple[torch.Tensor, ...]]:
+    """A training step ``(*inputs) -> (loss, *grads)`` of ``forward`` over ``params``.
+
+    zero_grad (set to ``None``), forward + loss, ``loss.backward()`` and the
+    optional optimizer step.  With ``compile_kwargs`` the forward + loss
+    function is ``torch.compile``d (AOTAutograd compiles its backward too);
+    backward and optimizer are called eagerly.  Under reduce-overhead every
+    step starts with ``torch.compiler.cudagraph_mark_step_begin()``.
+    """
+    params = list(params)
+
+    def forward_loss(*inputs: torch.Tensor) -> torch.Tensor:
+        return loss_fn(forward(*inputs))
+
+    if compile_kwargs is not None:
+        torch._dynamo.reset()
+        forward_loss = torch.compile(forward_loss, **compile_kwargs)
+    cudagraphs = (compile_kwargs or {}).get("mode") == "reduce-overhead"
+    opt = make_optimizer(optimizer, params)
+
+    def step(*inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        for p in params:
+            p.grad = None
+        loss = forward_loss(*inputs)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return (loss.detach(), *(p.grad if p.grad is not None else torch.zeros_like(p) for p in params))
+
+    return step
+

@@ -1,0 +1,388 @@
+"""Every CUDA kernel path of every op, forward and backward, on small inputs: the
+workload compute-sanitizer runs.
+
+    compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
+    python tools/sanitize_run.py --list        # the cases, and the paths of this build
+
+Ops: importance_sampling, flow_euler, vae_elbo and their ``_backward`` ops
+(all by default; ``flow`` and ``vae`` name both directions of those ops).
+
+For each op the kernel-path table of this build (``fused_ops._paths``) gives
+the paths.  Each case below names the path(s) it is meant for; a case is run
+with that path forced (``_paths.force``) and then reports the path the call
+took (``_paths.last``).  A case whose path's condition does not hold on this
+device or build (the forced call refuses to run) is skipped and said so.  A
+path that no case names is tried on the op's cases, smallest first, until one
+applies.  Cases named ``NATURAL`` run unforced (the table's own choice).  A
+path that ran on no case at all is a failure, and so is any result that
+differs from the reference (``fused_ops.reference``), so a silent error fails
+too.  Exit status: 0 when every path ran and every result matched.
+
+The sizes are small where the path allows it: the sanitizer slows kernels by
+orders of magnitude.  A build without path tables runs every case unforced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, Tuple
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import fused_ops  # noqa: E402
+from fused_ops import reference  # noqa: E402
+
+try:
+    from fused_ops import _paths
+except ImportError:  # a build without the kernel-path debug hook
+    _paths = None
+
+NATURAL = "natural"
+F32, F64 = torch.float32, torch.float64
+
+
+@dataclass(frozen=True)
+class Case:
+    paths: Tuple[str, ...]  # the paths this case is meant for, or (NATURAL,)
+    size: tuple  # op-specific, see the op's runner
+    note: str = ""
+
+    def cost(self) -> int:
+        """Elements of the problem: the order in which uncovered paths try cases."""
+        n = 1
+        for v in self.size:
+            if isinstance(v, int):
+                n *= max(v, 1)
+        return n
+
+
+def case(paths, *size, note=""):
+    return Case(tuple(paths.split()), tuple(size), note)
+
+
+# ----------------------------------------------------------------------------
+# Inputs and runners: each runner calls the fused op on a case and returns
+# whether it matches the reference.
+# ----------------------------------------------------------------------------
+
+
+def is_inputs(n, d, k, dtype):
+    """samples, mix_weights, mix_mus, mix_stds, q_mu, q_std of an importance-sampling problem."""
+    opts = dict(device="cuda", dtype=dtype)
+    return (torch.randn(n, d, **opts) * 3, torch.rand(k, **opts) + 0.1, torch.randn(k, d, **opts) * 2,
+            torch.rand(k, d, **opts) + 0.5, torch.randn(d, **opts), torch.rand(d, **opts) * 2 + 2)
+
+
+def flow_inputs(b, d, h, dtype):
+    """x0, w1, b1, w2, b2, w3, b3 of a flow problem, weights at nn.Linear's scale."""
+    opts = dict(device="cuda", dtype=dtype)
+    x0 = torch.randn(b, d, **opts)
+    w1 = (torch.rand(h, d + 1, **opts) * 2 - 1) / (d + 1) ** 0.5
+    w2 = (torch.rand(h, h, **opts) * 2 - 1) / h**0.5
+    w3 = (torch.rand(d, h, **opts) * 2 - 1) / h**0.5
+    b1, b2, b3 = (torch.rand(n, **opts) * 0.2 - 0.1 for n in (h, h, d))
+    return [x0, w1, b1, w2, b2, w3, b3]
+
+
+def vae_inputs(b, i, h, l_, dtype):
+    """x, eps and the ten weights and biases of a VAE problem (nn.Linear's layout and scale)."""
+    opts = dict(device="cuda", dtype=dtype)
+
+    def linear(n_out, n_in):
+        bound = 2.0 / n_in**0.5
+        return (torch.rand(n_out, n_in, **opts) * 2 - 1) * bound, (torch.rand(n_out, **opts) * 2 - 1) * bound
+
+    return [torch.rand(b, i, **opts), torch.randn(b, l_, **opts),
+            *linear(h, i), *linear(l_, h), *linear(l_, h), *linear(h, l_), *linear(i, h)]
+
+
+def close(got, want, atol=1e-4, rtol=1e-4):
+    return all(torch.allclose(g, w, atol=atol, rtol=rtol) for g, w in zip(got, want))
+
+
+def run_is(n, d, k, dtype):
+    args = is_inputs(n, d, k, dtype)
+    return close(fused_ops.importance_sampling(*args), reference.importance_sampling(*args))
+
+
+def run_is_backward(n, d, k, dtype, which):
+    """The backward op directly, with some upstream gradients absent (``which``:
+    mean, ess, log_weights), against the reference's autograd."""
+    opts = dict(device="cuda", dtype=dtype)
+    args = [t.requires_grad_() for t in is_inputs(n, d, k, dtype)]
+    ups = [torch.randn(d, **opts), torch.randn((), **opts), torch.randn(n, **opts) / n**0.5]
+    ups = [u if use else None for u, use in zip(ups, which)]
+    with torch.no_grad():
+        out = fused_ops.importance_sampling(*args)
+    got = torch.ops.fused_ops.importance_sampling_backward.default(*ups, *[a.detach() for a in args], out[0], out[2])
+    ref_out = reference.importance_sampling(*args)
+    loss = sum((o * u).sum() for o, u in zip(ref_out, ups) if u is not None)
+    want = torch.autograd.grad(loss, args, allow_unused=True)
+    ok = True
+    for g, r in zip(got, want):
+        r = torch.zeros_like(g) if r is None else r
+        scale = max(r.abs().max().item(), 1e-3)
+        ok &= bool(torch.isfinite(g).all()) and torch.allclose(g, r, rtol=1e-3, atol=1e-3 * scale)
+    return ok
+
+
+def run_flow(b, d, h, steps, dtype):
+    args = flow_inputs(b, d, h, dtype)
+    return close([fused_ops.flow_euler(*args, steps)], [reference.flow_euler(*args, steps)])
+
+
+def run_flow_backward(b, d, h, steps, dtype):
+    args = [t.requires_grad_() for t in flow_inputs(b, d, h, dtype)]
+    upstream = torch.randn(b, d, device="cuda", dtype=dtype)
+    got = torch.autograd.grad(fused_ops.flow_euler(*args, steps), args, upstream)
+    want = torch.autograd.grad(reference.flow_euler(*args, steps), args, upstream)
+    return close(got, want)
+
+
+def vae_reference_outputs(args, i, h, l_, dtype):
+    ref = reference.VAE(i, h, l_).to(device="cuda", dtype=dtype)
+    names = [n for n, _ in ref.named_parameters()]
+    return torch.func.functional_call(ref, dict(zip(names, args[2:])), (args[0], args[1]))
+
+
+def run_vae(b, i, h, l_, dtype):
+    args = vae_inputs(b, i, h, l_, dtype)
+    got = fused_ops.vae_elbo(*args)
+    with torch.no_grad():
+        want = vae_reference_outputs(args, i, h, l_, dtype)
+    return close(got, want)
+
+
+def run_vae_backward(b, i, h, l_, dtype, used):
+    """Gradients of the named outputs (the others' upstream gradients absent)."""
+    names = ("elbo", "recon", "kl")
+    args = [t.requires_grad_() for t in vae_inputs(b, i, h, l_, dtype)]
+    ups = {n: torch.randn(b, device="cuda", dtype=dtype) for n in used}
+    out = dict(zip(names, fused_ops.vae_elbo(*args)))
+    got = torch.autograd.grad([out[n] for n in used], args, [ups[n] for n in used])
+    rout = dict(zip(names, vae_reference_outputs(args, i, h, l_, dtype)))
+    want = torch.autograd.grad([rout[n] for n in used], args, [ups[n] for n in used],
+                               allow_unused=True, materialize_grads=True)
+    ok = True
+    for g, r in zip(got, want):
+        scale = r.abs().max().item() if r.numel() else 1.0
+        ok &= torch.allclose(g, r, atol=1e-5 * max(scale, 1e-3), rtol=1e-4)
+    return ok
+
+
+# ----------------------------------------------------------------------------
+# The cases.  Sizes: importance sampling (N, D, K, dtype[, upstreams]); flow
+# (B, D, H, num_steps, dtype); VAE (B, I, H, L, dtype[, upstreams]).  Path
+# conditions: each op's table (python -c "from fused_ops import _paths;
+# print(_paths.table('flow_euler'))") and docs/<op>.md.
+# ----------------------------------------------------------------------------
+
+IS_CASES = [
+    case("fast", 1000, 16, 3, F32, note="float4 loads, 4 lanes per row"),
+    case("fast", 777, 3, 2, F32, note="scalar loads"),
+    case("fast", 300, 200, 5, F32, note="float4 loads, long rows"),
+    case("fast", 129, 101, 4, F32, note="scalar loads, long rows"),
+    case("fast", 500, 16, 3, F64, note="float64"),
+    case("fast", 1, 1, 1, F32, note="smallest"),
+    case("fast", 300001, 16, 3, F32, note="several rows per thread: the prefetching loop"),
+    case("fast", 200003, 5, 2, F32, note="the same, scalar loads"),
+    case("general", 65, 700, 3, F32, note="D > 512"),
+    case("general", 200, 384, 64, F32, note="parameters exceed shared memory"),
+    case("general", 1000, 16, 3, F32, note="forced at a size the fast path takes"),
+]
+
+IS_BACKWARD_CASES = [  # one path ("tiled"): every case takes it
+    case(NATURAL, 4096, 16, 3, F32, (1, 1, 1), note="the default size"),
+    case(NATURAL, 1000003, 5, 3, F32, (1, 1, 1), note="several sample tiles per block"),
+    case(NATURAL, 129, 700, 3, F32, (1, 0, 1), note="more gradient entries than threads"),
+    case(NATURAL, 50, 2, 400, F32, (0, 1, 0), note="large K: coefficients in global memory"),
+    case(NATURAL, 777, 3, 2, F64, (1, 1, 1), note="float64"),
+    case(NATURAL, 1, 1, 1, F32, (1, 1, 1), note="smallest"),
+    case(NATURAL, 300, 4, 3, F32, (0, 0, 1), note="log_weights gradient only"),
+]
+
+FLOW_CASES = [
+    case("split", 8, 64, 256, 4, F32, note="4 blocks per row, the default size"),
+    case("split", 3, 64, 256, 2, F32, note="4 blocks per row"),
+    case("split", 40, 64, 256, 3, F32, note="2 blocks per row"),
+    case("row", 70, 64, 256, 1, F32, note="one block per row"),
+    case("row", 8, 64, 256, 2, F32, note="forced at the default size"),
+    case("cluster", 3, 5, 20, 2, F32, note="everything padded"),
+    case("cluster", 32, 100, 130, 2, F32, note="4 row chunks, ragged neuron slices"),
+    case("cluster", 1, 1, 3, 1, F32, note="smallest"),
+    case("cluster", 32, 64, 300, 2, F32, note="long ragged k-segments"),
+    case("wgmma", 4096, 64, 256, 2, F32, note="the large-batch default (sm_90a build)"),
+    case("wgmma", 300, 64, 256, 1, F32, note="a ragged last tile"),
+    case("tiled", 129, 100, 130, 2, F32, note="ragged last tile, padded K"),
+    case("tiled", 40, 3, 300, 1, F32, note="two column passes"),
+    case("tiled", 300, 64, 256, 1, F32, note="the default D and H"),
+    case("general", 8, 5, 1100, 1, F32, note="too large for the cluster and tile paths"),
+    case("general", 37, 6, 33, 2, F64, note="float64"),
+    case("general", 8, 64, 256, 2, F32, note="forced at the default size"),
+]
+
+FLOW_BACKWARD_CASES = [
+    case("resident", 8, 64, 256, 4, F32, note="the default size"),
+    case("resident", 1, 1, 3, 1, F32, note="smallest, a single step"),
+    case("resident", 37, 6, 33, 3, F64, note="float64"),
+    case("streaming", 300, 5, 37, 3, F32, note="two chunks, the last ragged; ragged column tiles"),
+    case("streaming", 4096, 64, 256, 2, F32, note="16 chunks"),
+    case("streaming", 70, 6, 33, 8, F64, note="float64"),
+    case("streaming", 8, 64, 256, 4, F32, note="forced at the default size"),
+    case(NATURAL, 0, 4, 9, 2, F32, note="empty batch: zero weight gradients"),
+]
+
+VAE_CASES = [
+    case("cluster", 128, 784, 256, 32, F32, note="8-CTA clusters, float4 weight reads (the default size)"),
+    case("cluster", 16, 784, 256, 32, F32, note="one 16-CTA cluster"),
+    case("cluster", 300, 64, 128, 8, F32, note="more tiles than resident clusters"),
+    case("cluster", 37, 1000, 130, 17, F32, note="scalar reads, partial row tile"),
+    case("cluster", 5, 5, 7, 3, F32, note="slices smaller than the cluster (empty CTAs)"),
+    case("wgmma", 2053, 784, 256, 32, F32, note="partial last tile (sm_90a build)"),
+    case("wgmma", 2048, 130, 256, 17, F32, note="a full decoder pass and a tail pass"),
+    case("wgmma", 2048, 20, 256, 8, F32, note="the smallest shape it takes: any I, L <= 32"),
+    case("tiled", 2048, 37, 40, 5, F32, note="odd I and L"),
+    case("tiled", 2048, 784, 256, 64, F32, note="shared memory above 200 KB"),
+    case("tiled", 2048, 20, 64, 8, F32, note="small H and I"),
+    case("tiled", 2053, 784, 256, 32, F32, note="forced at a size the wgmma path takes"),
+    case("general", 3, 4000, 1500, 40, F32, note="activations exceed shared memory"),
+    case("general", 9, 33, 16, 5, F64, note="float64"),
+    case("general", 128, 784, 256, 32, F32, note="forced at the default size"),
+]
+
+VAE_BACKWARD_CASES = [
+    case("persistent", 128, 784, 256, 32, F32, ("elbo", "recon", "kl"), note="the default size"),
+    case("persistent", 37, 1000, 130, 17, F32, ("elbo",), note="odd sizes, partial column-sum blocks"),
+    case("persistent", 5, 5, 7, 3, F32, ("kl",), note="tiny; recon upstream absent"),
+    case("persistent", 70, 33, 16, 5, F64, ("recon", "kl"), note="float64; elbo upstream absent"),
+    case("cublas", 2048, 784, 256, 32, F32, ("elbo",), note="above the one-launch bound"),
+    case("cublas", 37, 1000, 130, 17, F32, ("elbo", "kl"), note="forced at a size the persistent path takes"),
+    case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), note="empty batch: zero weight gradients"),
+]
+
+# op -> (runner, cases); the runner's forced path is the op's own table's.
+OPS = {
+    "importance_sampling": (run_is, IS_CASES),
+    "importance_sampling_backward": (run_is_backward, IS_BACKWARD_CASES),
+    "flow_euler": (run_flow, FLOW_CASES),
+    "flow_euler_backward": (run_flow_backward, FLOW_BACKWARD_CASES),
+    "vae_elbo": (run_vae, VAE_CASES),
+    "vae_elbo_backward": (run_vae_backward, VAE_BACKWARD_CASES),
+}
+ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
+           "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}
+
+
+# ----------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------
+
+
+class NotApplicable(Exception):
+    """The forced path's condition does not hold for this case."""
+
+
+def table_paths(op: str) -> list:
+    """The op's CUDA paths in this build, or [] without a table."""
+    if _paths is None or (op, "cuda") not in _paths.tables():
+        return []
+    return _paths.names(op)
+
+
+def run_one(op: str, runner: Callable, c: Case, path) -> Tuple[bool, str]:
+    """Runs one case, forced to ``path`` (None: unforced); returns (matched, path taken)."""
+    torch.manual_seed(0)
+    try:
+        with _paths.force(op, path) if path is not None else contextlib.nullcontext():
+            ok = bool(runner(*c.size))
+            torch.cuda.synchronize()
+    except RuntimeError as exc:
+        if path is not None and "does not apply to this call" in str(exc):
+            raise NotApplicable(str(exc).splitlines()[0]) from exc
+        raise
+    taken = _paths.last(op) if table_paths(op) else "-"
+    return ok, taken
+
+
+def describe(op: str, c: Case) -> str:
+    size = " ".join(str(v).replace("torch.", "") for v in c.size)
+    return f"{op} ({size})" + (f" [{c.note}]" if c.note else "")
+
+
+def run_op(op: str) -> Tuple[int, list]:
+    """Every path of ``op``; returns (mismatches, paths that ran on no case)."""
+    runner, cases = OPS[op]
+    paths = table_paths(op)
+    failures = 0
+    ran = set()
+
+    def attempt(c: Case, path) -> bool:
+        nonlocal failures
+        try:
+            ok, taken = run_one(op, runner, c, path)
+        except NotApplicable:
+            print(f"  skip      {describe(op, c)}: path '{path}' does not apply on this device or build")
+            return False
+        ran.add(taken)
+        failures += not ok
+        print(f"  {'ok' if ok else 'MISMATCH':<9} {describe(op, c)}: path {taken}"
+              + ("" if path is None or taken == path else f" (forced {path})"), flush=True)
+        return True
+
+    print(f"{op}: paths {', '.join(paths) if paths else '(no table: unforced)'}", flush=True)
+    for c in cases:
+        if not paths or c.paths == (NATURAL,):
+            attempt(c, None)
+        for path in c.paths:
+            if paths and path != NATURAL and path in paths:
+                attempt(c, path)
+            elif paths and path != NATURAL:
+                print(f"  note      {describe(op, c)}: this build has no path '{path}'")
+    for path in paths:
+        if path in ran:
+            continue
+        for c in sorted(cases, key=Case.cost):  # no case named it, or none applied: find one
+            if attempt(c, path):
+                break
+    missing = [p for p in paths if p not in ran]
+    return failures, missing
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ops", nargs="*", help=f"ops to run (default: all): {', '.join(OPS)}")
+    parser.add_argument("--list", action="store_true", help="print the cases and this build's paths, run nothing")
+    args = parser.parse_args(argv)
+    names = []
+    for name in args.ops or list(OPS):
+        names += ALIASES.get(name, [name])
+    unknown = [n for n in names if n not in OPS]
+    if unknown:
+        parser.error(f"unknown ops {unknown}; choose from {list(OPS)}")
+    if args.list:
+        for op in names:
+            print(f"{op}: paths of this build: {table_paths(op) or '(no table)'}")
+            for c in OPS[op][1]:
+                print(f"  {'/'.join(c.paths):<10} {describe(op, c)}")
+        return 0
+    if not torch.cuda.is_available():
+        print("sanitize_run needs a CUDA device", file=sys.stderr)
+        return 2
+    failures, missing = 0, []
+    for op in names:
+        f, m = run_op(op)
+        failures += f
+        missing += [f"{op}/{p}" for p in m]
+    print(f"summary: {failures} mismatches; paths not run: {', '.join(missing) if missing else 'none'}")
+    return 1 if failures or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
