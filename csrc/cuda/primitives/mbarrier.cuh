@@ -5,7 +5,7 @@
 // Why: a cluster barrier (barrier.cluster arrive + wait) makes every block
 // wait for every other block's arrival, a round trip through the cluster's
 // synchronisation hardware (~0.24 us on the H200 alone, ~0.37 us with a
-// push of a few float4s: bench/results/nvidia-h200-cluster-sync.txt).  With
+// push of a few float4s: `git show 3b1fe44:bench/results/nvidia-h200-cluster-sync.txt`).  With
 // st.async the data carries its own signal: each store completes its bytes
 // on an mbarrier in the destination block, so a consumer waits only until
 // the bytes it needs have landed, and a producer never waits at all.

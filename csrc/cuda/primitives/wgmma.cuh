@@ -4,7 +4,7 @@
 //
 // Why: on the H200 a CTA of two warpgroups issuing wgmma.m64nNk8 TF32
 // sustains ~917 multiply-adds per clock per SM, mma.sync.m16n8k8 ~470
-// (bench/results/nvidia-h200-wgmma-probe.txt):
+// (the probe measurement, `git show 3b1fe44:bench/results/nvidia-h200-wgmma-probe.txt`):
 // for the 3xTF32 products of the tiled paths that is the difference between
 // being bound by the tensor cores and by everything around them.
 //
@@ -17,7 +17,7 @@
 // Blocks of consecutive k-steps follow each other, R * 8 floats apart.  A
 // probe kernel on the H200 confirmed this reading of the descriptor fields
 // (the other assignment of the two offsets gives wrong products) and the
-// accumulator layout below (bench/results/nvidia-h200-wgmma-probe.txt).
+// accumulator layout below (the probe measurement, `git show 3b1fe44:bench/results/nvidia-h200-wgmma-probe.txt`).
 //
 // Accumulators of m64nN: warp w of the warpgroup owns rows 16 w .. 16 w + 15;
 // lane (g = lane / 4, t = lane % 4) holds, for each n8 tile j, d[4 j + i] =
