@@ -95,7 +95,7 @@ __device__ __forceinline__ void warp_dots(const float* in, int K, int k0, int k1
     // The next column's weights are requested before this column's
     // products, so a warp waits for an L2 round trip once per call instead
     // of once per column: at 784-256-32 the encoder's lanes run 6-7 columns
-    // each, and these loads were its critical path.
+    // each, and these loads would be its critical path.
     float4 wv[kNB];
     int k = k0 + lane;
     if (k < k1) {
