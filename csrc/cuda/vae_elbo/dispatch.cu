@@ -27,7 +27,9 @@ const dispatch::PathTable<Launch, 4> kPaths("vae_elbo", "cuda", {{
     {"tiled", "float32, B >= 2048, sm_80+, H % 8 == 0, H <= 256, a 64-row tile fits in shared memory",
      "3xTF32 mma.sync, 64 rows per CTA on chip: large batches the wgmma path does not take",
      vae_elbo_kernels::tiled_applies, vae_elbo_kernels::launch_tiled},
-    {"cluster", "float32, sm_90+, a 16-row tile's activations fit in shared memory (<= 200 KB), 8 or 16 CTAs fit a cluster",
+    {"cluster",
+     "float32, sm_90+, a 16-row tile's activations fit in shared memory (<= 200 KB), "
+     "8 or 16 CTAs fit a cluster",
      "one launch, each layer split over a thread-block cluster: small batches are latency-bound",
      vae_elbo_kernels::cluster_applies, vae_elbo_kernels::launch_cluster},
     {"general", "anything else (float64, older GPUs, activations too large for shared memory)",
