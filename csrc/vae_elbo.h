@@ -1,5 +1,7 @@
-// fused_ops::vae_elbo: argument validation shared by the CPU and CUDA
-// wrappers, and the per-device entry points.
+// \brief fused_ops::vae_elbo: argument validation shared by the CPU and CUDA
+// wrappers, and the call structs they start from (inputs checked and made
+// contiguous, outputs allocated; the CPU-only vae_elbo_train's saved
+// activations).
 //
 // Sizes come from x [B, I], w_enc [H, I] (H) and w_mu [L, H] (L); every other
 // tensor is checked against them, so a weight chain that does not connect is

@@ -1,4 +1,4 @@
-// fused_ops::vae_elbo_backward: argument validation shared by the CPU and
+// \brief fused_ops::vae_elbo_backward: argument validation shared by the CPU and
 // CUDA wrappers of the backward of fused_ops::vae_elbo.
 //
 // Schema (csrc/fused_ops.cpp):

@@ -1,4 +1,4 @@
-// One term of PyTorch's binary_cross_entropy on p = sigmoid(a), shared by the
+// \brief One term of PyTorch's binary_cross_entropy on p = sigmoid(a), shared by the
 // CPU and CUDA kernels of vae_elbo:
 //   (x - 1) * max(log(1 - p), -100) - x * max(log(p), -100),
 // p = 1 / (1 + exp(-a)) rounded in T (DESIGN.md 2.3).
@@ -25,7 +25,7 @@ C10_HOST_DEVICE inline T bce_term(T a, T x) {
 // float32: the same value from one exp and one log, plus a reciprocal and a
 // hardware log2 for a > 4.  On the GPU that is ~70 instructions and no branch
 // per term instead of ~100 and three branch regions: the verbatim form's IEEE
-// division and second log were most of the VAE kernels' decoder epilogue.
+// division and second log would be most of the VAE kernels' decoder epilogue.
 // With s = log1p(exp(-|a|)),
 //   log(p) = -(max(-a, 0) + s),   log(1 - p) = -(max(a, 0) + s)
 // exactly, and they differ from the logs of the float32-rounded p by p's

@@ -1,4 +1,4 @@
-// CPU kernels of fused_ops::vae_elbo_backward (the backward of vae_elbo) and
+// \brief CPU kernels of fused_ops::vae_elbo_backward (the backward of vae_elbo) and
 // fused_ops::vae_elbo_train_backward (the backward of vae_elbo_train).  They
 // share everything but stage 1's first step: vae_elbo_backward recomputes
 // the forward's activations, vae_elbo_train_backward reads them from the

@@ -1,4 +1,6 @@
-// CPU kernel of fused_ops::vae_elbo.
+// \brief CPU kernel of fused_ops::vae_elbo and vae_elbo_train (float32 and
+// float64): the whole forward pass per block of samples, BLAS products with
+// fused epilogues.  The only CPU path: no path table.
 //
 // The batch is cut into blocks of kRows samples (fixed, never derived from the
 // thread count, so results are bitwise the same for any number of threads) and
@@ -8,8 +10,8 @@
 // reparameterisation and the KL row sums, and sigmoid + clamped BCE + the
 // reconstruction row sums.  Neither the decoder output nor p is ever written
 // out as a tensor, except by vae_elbo_train (the same kernel), which copies
-// each block's activations into the buffer its backward reads.  Inside the parallel loop the BLAS calls run single-threaded
-// on each block.
+// each block's activations into the buffer its backward reads.  Inside the
+// parallel loop the BLAS calls run single-threaded on each block.
 //
 // BCE follows PyTorch exactly: p = 1 / (1 + exp(-a)), then
 //   (x - 1) * max(log1p(-p), -100) - x * max(log(p), -100)

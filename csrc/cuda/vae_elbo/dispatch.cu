@@ -1,0 +1,67 @@
+// \brief CUDA entry point of fused_ops::vae_elbo: argument checks, the
+// kernel-path table, and the op's CUDA registration.
+//
+// The table (common/dispatch.h) lists the paths in order of preference; a
+// call takes the first whose condition holds (or the one forced through
+// fused_ops._paths / FUSED_OPS_FORCE_PATH).  Each path is one file of this
+// folder; docs/vae_elbo.md describes them and the variants they replaced.
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include <climits>
+#include <type_traits>
+
+#include "common/dispatch.h"
+#include "cuda/vae_elbo/paths.cuh"
+
+namespace fused_ops {
+namespace {
+
+using vae_elbo_kernels::Launch;
+
+const dispatch::PathTable<Launch, 4> kPaths("vae_elbo", "cuda", {{
+    {"wgmma", "float32, B >= 2048, H == 256, L <= 32, sm_90a build on a compute capability 9.0 GPU",
+     "3xTF32 warpgroup products from shared memory, weights by bulk copies: the fastest large batches",
+     vae_elbo_kernels::wgmma_applies, vae_elbo_kernels::launch_wgmma},
+    {"tiled", "float32, B >= 2048, sm_80+, H % 8 == 0, H <= 256, a 64-row tile fits in shared memory",
+     "3xTF32 mma.sync, 64 rows per CTA on chip: large batches the wgmma path does not take",
+     vae_elbo_kernels::tiled_applies, vae_elbo_kernels::launch_tiled},
+    {"cluster",
+     "float32, sm_90+, a 16-row tile's activations fit in shared memory (<= 200 KB), "
+     "8 or 16 CTAs fit a cluster",
+     "one launch, each layer split over a thread-block cluster: small batches are latency-bound",
+     vae_elbo_kernels::cluster_applies, vae_elbo_kernels::launch_cluster},
+    {"general", "anything else (float64, older GPUs, activations too large for shared memory)",
+     "correctness first: one CTA per sample, activations in a global workspace",
+     dispatch::always<Launch>, vae_elbo_kernels::launch_general},
+}});
+
+VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+                            const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
+                            const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
+                            const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2) {
+  const cuda::TensorDeviceGuard guard(x);
+  VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                b_dec2);
+  FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
+  FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
+                  "vae_elbo: sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",
+                  "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
+                  ", L=", c.L);
+  if (c.B == 0) return c.result();
+  dispatch_float(x.scalar_type(), [&](auto zero) {
+    if constexpr (std::is_same_v<decltype(zero), float>) {
+      kPaths.run(Launch{c, true, vae_elbo_kernels::make_args<float>(c)});
+    } else {
+      kPaths.run(Launch{c, false, {}});
+    }
+  });
+  return c.result();
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cuda)); }
+
+}  // namespace fused_ops
