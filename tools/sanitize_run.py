@@ -114,22 +114,32 @@ def run_is(n, d, k, dtype):
 
 def run_is_backward(n, d, k, dtype, which):
     """The backward op directly, with some upstream gradients absent (``which``:
-    mean, ess, log_weights), against the reference's autograd."""
+    mean, ess, log_weights), against the reference's autograd: close to the
+    same-dtype reference, or no further from a float64 run of the reference
+    than twice the same-dtype reference is (at long rows the float32
+    reference's own gradients are the less accurate side)."""
     opts = dict(device="cuda", dtype=dtype)
-    args = [t.requires_grad_() for t in is_inputs(n, d, k, dtype)]
+    inputs = is_inputs(n, d, k, dtype)
     ups = [torch.randn(d, **opts), torch.randn((), **opts), torch.randn(n, **opts) / n**0.5]
     ups = [u if use else None for u, use in zip(ups, which)]
     with torch.no_grad():
-        out = fused_ops.importance_sampling(*args)
-    got = torch.ops.fused_ops.importance_sampling_backward.default(*ups, *[a.detach() for a in args], out[0], out[2])
-    ref_out = reference.importance_sampling(*args)
-    loss = sum((o * u).sum() for o, u in zip(ref_out, ups) if u is not None)
-    want = torch.autograd.grad(loss, args, allow_unused=True)
+        out = fused_ops.importance_sampling(*inputs)
+    got = torch.ops.fused_ops.importance_sampling_backward.default(*ups, *inputs, out[0], out[2])
+
+    def reference_grads(cast):
+        args = [cast(t).requires_grad_() for t in inputs]
+        loss = sum((o * cast(u)).sum() for o, u in zip(reference.importance_sampling(*args), ups) if u is not None)
+        return [torch.zeros_like(a) if g is None else g
+                for a, g in zip(args, torch.autograd.grad(loss, args, allow_unused=True))]
+
+    want = reference_grads(lambda t: t.detach().clone())
+    want64 = reference_grads(lambda t: t.detach().double())
     ok = True
-    for g, r in zip(got, want):
-        r = torch.zeros_like(g) if r is None else r
-        scale = max(r.abs().max().item(), 1e-3)
-        ok &= bool(torch.isfinite(g).all()) and torch.allclose(g, r, rtol=1e-3, atol=1e-3 * scale)
+    for g, r, r64 in zip(got, want, want64):
+        scale = max(r64.abs().max().item(), 1e-3)
+        near_reference = torch.allclose(g, r, rtol=1e-3, atol=1e-3 * scale)
+        err, ref_err = (g.double() - r64).abs().max().item(), (r.double() - r64).abs().max().item()
+        ok &= bool(torch.isfinite(g).all()) and (near_reference or err <= 2 * ref_err + 1e-5 * scale)
     return ok
 
 

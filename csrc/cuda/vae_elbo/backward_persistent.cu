@@ -8,8 +8,8 @@
 // training step would be host-bound.
 //
 // Design: the forward is recomputed and the chain below runs as nine phases
-// separated by grid barriers (cuda/cooperative.cuh); every product is a set
-// of 32 x 32 tiles dealt to the blocks (cuda/tile_gemm.cuh), with the
+// separated by grid barriers (cuda/primitives/cooperative.cuh); every product is a set
+// of 32 x 32 tiles dealt to the blocks (cuda/primitives/tile_gemm.cuh), with the
 // elementwise work fused into the tiles' epilogues (backward_paths.cuh):
 //   1  h   = relu(x @ w_enc^T + b_enc); [w_mu; w_logvar] copied side by side
 //   2  mu, logvar = h @ w_mu^T + b_mu, h @ w_logvar^T + b_logvar

@@ -28,7 +28,7 @@
 //   16-byte aligned, element by element otherwise;
 // - float4 weights software-pipelined (PREFETCH, one CTA per SM) when all
 //   clusters are resident at once, else the two-CTA-per-SM kernel;
-// - programmatic dependent launch (cuda/dependent_launch.cuh): a call's
+// - programmatic dependent launch (cuda/primitives/dependent_launch.cuh): a call's
 //   kernel may start on the SMs the previous one leaves idle and waits for
 //   it before its first global-memory access.
 
@@ -96,7 +96,7 @@ struct ClusterLayout {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Pushes this CTA's columns [s.begin, s.end) of buf [kRows, N] (row stride N)
-// into the other CTAs' copies of buf by st.async (cuda/mbarrier.cuh), as
+// into the other CTAs' copies of buf by st.async (cuda/primitives/mbarrier.cuh), as
 // float4 runs where the columns allow (distributed shared memory traffic is
 // per transaction: one float4 store costs about what one float store does);
 // each store completes its bytes on the destination's copy of `bar`, whose

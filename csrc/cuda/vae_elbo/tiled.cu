@@ -10,7 +10,7 @@
 // encoder (x streamed through shared memory in kChunk-wide column chunks),
 // mu / logvar, z and KL, decoder hidden layer, then the decoder logits in
 // 256-column passes whose BCE terms go straight into per-row sums.  Every
-// product is a 3xTF32 tensor-core product (cuda/tf32x3.cuh) with float32
+// product is a 3xTF32 tensor-core product (cuda/primitives/tf32x3.cuh) with float32
 // accumulation: float32 accuracy at tensor-core speed.
 //
 // Operands are split into their TF32 big and small parts once, not at every

@@ -15,7 +15,7 @@
 // the weights arrive by bulk copies (one thread issues them) through a
 // three-stage ring of chunks of four k-steps, each stage completing on its
 // own mbarrier (the ring, the packer and the chunk loop are
-// cuda/wgmma_stream.cuh's, shared with the flow kernel).  Chunk c + 1's
+// cuda/primitives/wgmma_stream.cuh's, shared with the flow kernel).  Chunk c + 1's
 // products are issued before chunk c's are waited for; meanwhile the
 // threads load the x chunk after next (encoder); after chunk c the threads
 // meet at one block barrier (its stage and x buffer are free again) and
@@ -70,7 +70,7 @@ constexpr int kSubTail = kDecChunks;
 static_assert(kSubTail * chunk_floats(kTailPass) == chunk_floats(kPass), "a tail pass fills one ring stage");
 
 // Sizes in floats (kBlock: a 64-row operand's k-step block; chunk_floats:
-// a chunk of packed weights, cuda/wgmma_stream.cuh).
+// a chunk of packed weights, cuda/primitives/wgmma_stream.cuh).
 constexpr int kXChunk = 2 * kS * kBlock;   // x: 64 rows x 32 columns, two planes
 constexpr int kHPlane = kH / 8 * kBlock;   // one plane of h or g (64 x 256)
 constexpr int kZPlane = kLp / 8 * kBlock;  // one plane of z (64 x 32)
