@@ -135,8 +135,8 @@ class OpCase:
     # -- forward numerics
     match_sizes: tuple = ()
     match_skip: Callable = lambda size, dtype, device: None  # -> reason or None
-    match_check: Optional[Callable] = None  # (case, got, want, args, dtype) -> None
-    single_run_floor: Optional[float] = None  # float32 single-run bound vs float64 (ulps of 2**-20 scale)
+    match_check: Optional[Callable] = None  # (case, got, want, args, dtype) -> None; default: tol(dtype)
+    single_run_check: Optional[Callable] = None  # (case, got, want, args, dtype) -> None; after match_check
     float64_tight: tuple = ()  # ((size, tol), ...)
     accuracy: tuple = ()
     invariants: Optional[Callable] = None  # (out, args, dtype) -> None; op-specific output properties
@@ -541,7 +541,7 @@ IMPORTANCE_SAMPLING = OpCase(
                        for g in ((True, True, True), (False, True, False))),
     paths=(
         # One run's error against float64 is heavy-tailed here (the few
-        # largest log weights): 3x over three runs, not the summed 32-run 2x.
+        # largest log weights): 3x over eight runs, not the summed 32-run 2x.
         PathCase("fast", (4096, 16, 3), bound=3),
         PathCase("fast", (1 << 20, 16, 3), note="many blocks", bound=3),
         PathCase("general", (4096, 1024, 3), note="D above the fast path's register rows", bound=3),
@@ -555,6 +555,9 @@ IMPORTANCE_SAMPLING = OpCase(
     ),
     refused=(PathCase("fast", (1000, 1024, 3)),),
     path_names=("fast", "general"),
+    bwd_path_names=("tiled",),
+    bwd_paths=(PathCase("tiled", (4096, 16, 3)),),
+    bwd_natural=(PathCase("tiled", (4096, 16, 3)), PathCase("tiled", (1 << 20, 16, 3))),
 )
 
 
@@ -741,8 +744,9 @@ FLOW_EULER = OpCase(
         PathCase("cluster", (32, 64, 300, 3), note="long ragged k-segments"),
         PathCase("wgmma", (4096, 64, 256, 4)),
         PathCase("wgmma", (200, 64, 256, 1), note="one step: only the last exchange is waited for"),
-        PathCase("tiled", (300, 16, 64, 3)),
-        PathCase("tiled", (4096, 64, 256, 4), note="where the wgmma path would be chosen"),
+        # 3xTF32 tensor-core products: within 4x the float32 reference's error.
+        PathCase("tiled", (300, 16, 64, 3), bound=4),
+        PathCase("tiled", (4096, 64, 256, 4), note="where the wgmma path would be chosen", bound=4),
         PathCase("general", (8, 64, 256, 4), F64),
         PathCase("general", (8, 64, 256, 4), note="the general path applies everywhere"),
     ),
@@ -770,9 +774,10 @@ FLOW_EULER = OpCase(
         PathCase("streaming", (129, 100, 130, 7)),
         PathCase("streaming", (8, 64, 256, 8), note="the streaming mode applies everywhere"),
     ),
+    # resident: num_steps * B <= 512 and 6 num_steps B H <= 4 Mi elements.
     bwd_natural=(
         PathCase("resident", (8, 64, 256, 32)), PathCase("resident", (64, 3, 11, 8)),
-        PathCase("streaming", (65, 3, 11, 8)), PathCase("streaming", (8, 4, 2100, 30)),
+        PathCase("streaming", (65, 3, 11, 8)), PathCase("streaming", (129, 100, 130, 7)),
         PathCase("streaming", (4096, 64, 256, 3)),
     ),
 )
@@ -867,14 +872,12 @@ def _vae_grad32_check(case, got, ref32, exact, ctx):
 
 
 def _vae_single_run_check(case, got, want, args, dtype):
-    """The contract tolerance, and in float32 no further from a float64 run
-    of the reference than the float32 reference (2x).  One run's error is a
+    """In float32 no further from a float64 run of the reference than the
+    float32 reference (2x).  One run's error is a
     noisy quantity for both (at B=3 the float32 reference is sometimes 5x
     luckier than its average), so this single-run check has a floor of 8
     float32 ulps of the value's scale; the systematic comparison is the
     summed accuracy test (the fused error averages 0.8-1.0x the reference's)."""
-    for name, g, w in zip(case.out_names, got, want):
-        torch.testing.assert_close(g, w, **tol(dtype), msg=lambda m, n=name: f"{n}: {m}")
     if dtype != F32:
         return
     exact = vae_reference(*[a.detach().double() for a in args])
@@ -916,7 +919,7 @@ VAE_ELBO = OpCase(
     fresh_first=torch.rand_like,
     match_sizes=tuple((B, *shape) for B in (1, 3, 128, 1000)
                       for shape in ((784, 256, 32), (5, 7, 3), (1000, 130, 17), (64, 512, 2))),
-    match_check=_vae_single_run_check,
+    single_run_check=_vae_single_run_check,
     # B=2048 at 784-256-32 runs the 3xTF32 tensor-core paths on CUDA, held to
     # 4x the float32 reference's error: 3xTF32 recovers float32 accuracy up
     # to a small factor, while a product summed over the whole K in the
@@ -1052,6 +1055,20 @@ VAE_ELBO = OpCase(
     refused=(PathCase("wgmma", (128, 784, 256, 32), F64), PathCase("wgmma", (2048, 784, 128, 32))),
     path_names=("wgmma", "tiled", "cluster", "general"),
     sm90_paths=frozenset({"wgmma", "cluster"}),
+    bwd_path_names=("persistent", "cublas"),
+    # float64: float32 gradients of these sizes cannot be compared with the
+    # reference (ReLU kinks, vae_clear_of_relu_kinks); the paths serve both.
+    bwd_paths=(
+        PathCase("persistent", (128, 784, 256, 32), F64),
+        PathCase("persistent", (1000, 784, 256, 32), F64, note="several tiles per block in most phases"),
+        PathCase("cublas", (2048, 784, 256, 32), F64),
+        PathCase("cublas", (128, 784, 256, 32), F64, note="the cuBLAS path applies everywhere"),
+    ),
+    # persistent: B H (6 I + 8 L) <= 1.5e9 multiply-adds, B <= 1181 at 784-256-32.
+    bwd_natural=(
+        PathCase("persistent", (37, 50, 13, 4), F64), PathCase("persistent", (1181, 784, 256, 32), F64),
+        PathCase("cublas", (1182, 784, 256, 32), F64), PathCase("cublas", (2048, 784, 256, 32), F64),
+    ),
 )
 
 

@@ -98,6 +98,8 @@ def test_matches_reference(case, size, dtype, device):
         case.match_check(case, got, want, args, dtype)
     else:
         assert_close(case.out_names, got, want, **tol(dtype))
+    if case.single_run_check is not None:
+        case.single_run_check(case, got, want, args, dtype)
 
 
 @pytest.mark.parametrize("case,size,atol", params(lambda c: [(c.size_id(s), s, t) for s, t in c.float64_tight]))

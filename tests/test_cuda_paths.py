@@ -70,7 +70,7 @@ def test_table_names_every_path_and_each_has_tests(case):
 def test_forced_path(case, pc):
     _skip_unless_supported(case, pc.path)
     size, dtype = pc.size, pc.dtype
-    trials = 3
+    trials = 8
     err_fused = err_ref = scale = None
     for t in range(trials if dtype == F32 else 1):
         args = case.inputs(size, dtype=dtype, device="cuda")
@@ -133,35 +133,56 @@ def test_forced_path_that_does_not_apply_raises(case, pc):
     assert _paths.last(case.name) != pc.path
 
 
-def _bwd_grads(case, args, size):
-    leaves = [a.detach().requires_grad_() for a in args]
-    outs = case.fused(leaves, size)
-    upstream = [torch.ones_like(o) * 0.5 for o in outs]
-    return torch.autograd.grad(outs, leaves, upstream)
+def _grads(case, fn, args, size, upstream):
+    outs = case.call(fn, args, size)
+    return torch.autograd.grad(outs, args, upstream, allow_unused=True, materialize_grads=True)
+
+
+def _bwd_inputs(case, size, dtype):
+    if case.grad32_inputs is not None and dtype == F32:
+        args = case.grad32_inputs(case, size, "cuda")
+    else:
+        args = case.inputs(size, dtype=dtype, device="cuda", requires_grad=True)
+    with torch.no_grad():
+        outs = case.fused(args, size)
+    upstream = (case.grad32_upstream(outs, size) if case.grad32_upstream is not None
+                else [torch.randn_like(o) for o in outs])
+    return args, upstream
 
 
 @pytest.mark.parametrize("case,pc", _params("bwd_paths"))
 def test_forced_backward_path(case, pc):
+    # The gradients through autograd with the backward op's path forced:
+    # the path is taken, repeats bitwise, and meets the op's float32
+    # gradient criterion against the reference (op_cases: grad32_check).
     bwd = f"{case.name}_backward"
     size = pc.size
-    args = case.inputs(size, dtype=pc.dtype, device="cuda")
+    args, upstream = _bwd_inputs(case, size, pc.dtype)
     with _paths.force(bwd, pc.path):
-        got = _bwd_grads(case, args, size)
+        got = _grads(case, case.fn, args, size, upstream)
         torch.cuda.synchronize()
         assert _paths.last(bwd) == pc.path, f"took {_paths.last(bwd)!r}"
-        again = _bwd_grads(case, args, size)
-    leaves = [a.detach().requires_grad_() for a in args]
-    outs = case.ref(leaves, size)
-    want = torch.autograd.grad(outs, leaves, [torch.ones_like(o) * 0.5 for o in outs])
-    for name, g, a, w in zip(case.arg_names, got, again, want):
+        again = _grads(case, case.fn, args, size, upstream)
+    for name, g, a in zip(case.arg_names, got, again):
         assert torch.equal(g, a), f"grad {name} differs bitwise between two calls"
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"grad {n}: {m}")
+    if pc.dtype == F64:
+        want = _grads(case, case.reference, args, size, upstream)
+        rtol, atol = case.grad64_tol
+        for name, g, w in zip(case.arg_names, got, want):
+            scale = max(max_abs(w[torch.isfinite(w)]), 1.0)
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol * scale, msg=lambda m, n=name: f"grad {n}: {m}")
+        return
+    ref32 = _grads(case, case.reference, args, size, upstream)
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    exact = _grads(case, case.reference, args64, size, [u.double() for u in upstream])
+    subset = tuple(range(len(upstream)))
+    case.grad32_check(case, got, ref32, exact, dict(subset=subset, upstream=upstream))
 
 
 @pytest.mark.parametrize("case,pc", _params("bwd_natural"))
 def test_natural_backward_choice(case, pc):
     bwd = f"{case.name}_backward"
-    args = case.inputs(pc.size, dtype=pc.dtype, device="cuda")
-    _bwd_grads(case, args, pc.size)
+    args, upstream = _bwd_inputs(case, pc.size, pc.dtype)
+    _grads(case, case.fn, args, pc.size, upstream)
     torch.cuda.synchronize()
     assert _paths.last(bwd) == pc.path, f"{bwd} at {pc.size} took {_paths.last(bwd)!r}, expected {pc.path!r}"
