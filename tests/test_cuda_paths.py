@@ -9,10 +9,14 @@ For each size in ``natural``: the table's own choice is the expected path
 result matches the reference and the CPU kernel.  A forced path that does
 not apply raises and lists every path.  Each op's table must have exactly
 the paths named in op_cases, each covered both ways, so a path cannot be
-added, renamed or dropped without its tests.
+added, renamed or dropped without its tests.  Before each call under test
+another path's call is made and its report checked, so a stale
+``_paths.last`` cannot make a test pass.
 
 All of it needs a CUDA GPU; on a machine without one it is skipped.
 """
+
+import math
 
 import pytest
 import torch
@@ -38,6 +42,24 @@ def _params(attr):
             dt = "f64" if pc.dtype == F64 else "f32"
             out.append(pytest.param(case, pc, id=f"{case.name}-{pc.path}-{case.size_id(pc.size)}-{dt}"))
     return out
+
+
+def _prime(case, path, backward=False):
+    """Run the smallest natural-choice case of another path first and check
+    that it was reported: the call under test must then update ``last``
+    itself, so a stale report cannot make a test pass."""
+    op = f"{case.name}_backward" if backward else case.name
+    others = [p for p in (case.bwd_natural if backward else case.natural) if p.path != path]
+    if not others:  # a table of one path: the report cannot be stale in a telling way
+        return
+    other = min(others, key=lambda p: math.prod(p.size))
+    if backward:
+        args, upstream = _bwd_inputs(case, other.size, other.dtype)
+        _grads(case, case.fn, args, other.size, upstream)
+    else:
+        case.fused(case.inputs(other.size, dtype=other.dtype, device="cuda"), other.size)
+    torch.cuda.synchronize()
+    assert _paths.last(op) == other.path, (op, other, _paths.last(op))
 
 
 def _check_reference(case, got, args, size, dtype):
@@ -74,6 +96,8 @@ def test_forced_path(case, pc):
     err_fused = err_ref = scale = None
     for t in range(trials if dtype == F32 else 1):
         args = case.inputs(size, dtype=dtype, device="cuda")
+        if t == 0:
+            _prime(case, pc.path)
         with _paths.force(case.name, pc.path):
             got = case.fused(args, size)
             torch.cuda.synchronize()
@@ -106,6 +130,7 @@ def test_natural_choice(case, pc):
     _skip_unless_supported(case, pc.path)
     size, dtype = pc.size, pc.dtype
     args = case.inputs(size, dtype=dtype, device="cuda")
+    _prime(case, pc.path)
     got = case.fused(args, size)
     torch.cuda.synchronize()
     assert _paths.last(case.name) == pc.path, (
@@ -158,6 +183,7 @@ def test_forced_backward_path(case, pc):
     bwd = f"{case.name}_backward"
     size = pc.size
     args, upstream = _bwd_inputs(case, size, pc.dtype)
+    _prime(case, pc.path, backward=True)
     with _paths.force(bwd, pc.path):
         got = _grads(case, case.fn, args, size, upstream)
         torch.cuda.synchronize()
@@ -183,6 +209,7 @@ def test_forced_backward_path(case, pc):
 def test_natural_backward_choice(case, pc):
     bwd = f"{case.name}_backward"
     args, upstream = _bwd_inputs(case, pc.size, pc.dtype)
+    _prime(case, pc.path, backward=True)
     _grads(case, case.fn, args, pc.size, upstream)
     torch.cuda.synchronize()
     assert _paths.last(bwd) == pc.path, f"{bwd} at {pc.size} took {_paths.last(bwd)!r}, expected {pc.path!r}"
