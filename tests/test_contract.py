@@ -79,6 +79,26 @@ def entries(case):
     return [("torch.ops", case.packet), ("wrapper", case.fn)]
 
 
+# Fields every op must fill: an empty one would silently drop a contract
+# check for that op (the optional ones, e.g. empty_size, are op-specific).
+REQUIRED = (
+    "match_sizes", "accuracy", "poison_sizes", "layouts", "layout_sizes", "opcheck_sizes", "meta_size", "module",
+    "compile_size", "compile_loss", "determinism_sizes", "thread_size", "bad_size", "bad_inputs", "stream_sizes",
+    "graph_sizes", "cuda_cpu_float64", "isa_sizes", "gradcheck_sizes", "gradcheck_inputs", "gradcheck_alone_size",
+    "grad64_sizes", "grad32_sizes", "grad32_check", "bwd", "bwd_args", "bwd_grad_names", "bwd_opcheck_sizes",
+    "bwd_meta_size", "bwd_determinism_sizes", "bwd_bad_size", "bwd_bad", "bwd_stream_size", "bwd_graph_size",
+    "bwd_cuda_cpu_sizes", "paths", "natural", "refused", "path_names", "bwd_paths", "bwd_natural", "bwd_path_names",
+)
+
+
+@pytest.mark.parametrize("case", each_op())
+def test_op_table_entry_is_complete(case):
+    missing = [f for f in REQUIRED if not getattr(case, f)]
+    assert not missing, f"{case.name}: op_cases leaves {missing} empty"
+    assert len(case.out_shapes(case.meta_size)) == len(case.out_names)
+    assert set(b.arg for b in case.bad_inputs) >= set(case.arg_names), "a bad-input case per argument"
+
+
 # ---------------------------------------------------------------------------
 # Agreement with the reference; float32 accuracy against float64
 # ---------------------------------------------------------------------------
