@@ -4,9 +4,10 @@ parameter and buffer names, checkpoints load strictly both ways, identical
 construction under one seed, constructors from the user's own layers that
 share their parameters, conversion of model trees).
 
-The checks every module shares come first, over MODULES; then each module's
-own: the sampler's buffers and model-tree conversion, the flow's and the
-VAE's parameter handling and batch shapes.
+Each module's own checks come first (the sampler's buffers and model-tree
+conversion, the flow's and the VAE's parameter handling and batch shapes),
+then those every module shares, over MODULES.  The users' modules they use
+are in user_modules.py.
 """
 
 import pytest
@@ -17,6 +18,27 @@ import fused_ops
 from fused_ops import reference
 from fused_ops.nn import ImportanceSampler, convert
 from fused_test_utils import DTYPES, Doubled, requires_cuda, tol
+from user_modules import (
+    ChildSampler,
+    ExtraBufferSampler,
+    ExtraParamFlow,
+    ExtraParamSampler,
+    ExtraVAE,
+    MissingBufferSampler,
+    Model,
+    NoBiasFlow,
+    NoBiasVAE,
+    ReluFlow,
+    TanhVAE,
+    UserFlow,
+    UserSampler,
+    UserVAE,
+    WrongRankSampler,
+    WrongShapeFlow,
+    WrongShapeSampler,
+    WrongShapeVAE,
+    randomise,
+)
 
 
 # ---------------------------------------------------------------------------
@@ -25,80 +47,6 @@ from fused_test_utils import DTYPES, Doubled, requires_cuda, tol
 
 BUFFERS = ("mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
 SIZES = [pytest.param(1, 1, id="D1-K1"), pytest.param(16, 3, id="D16-K3"), pytest.param(33, 8, id="D33-K8")]
-
-
-# --- user-side modules ------------------------------------------------------
-
-
-class UserSampler(nn.Module):
-    """A user's own copy of the reference module under another name: same
-    buffers, created in the same order, its own forward."""
-
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim) * 2.0)
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-        self.register_buffer("q_std", torch.ones(dim) * 3.0)
-
-    def forward(self, samples):
-        x = samples
-        diff = (x[:, None, :] - self.mix_mus[None]) / self.mix_stds[None]
-        log_comp = (-0.5 * diff**2 - torch.log(self.mix_stds)[None]).sum(-1)
-        log_p = torch.logsumexp(log_comp + torch.log(self.mix_weights)[None], dim=-1)
-        log_q = (-0.5 * ((x - self.q_mu) / self.q_std) ** 2 - torch.log(self.q_std)).sum(-1)
-        log_w = log_p - log_q
-        w = torch.softmax(log_w, 0)
-        return (w[:, None] * x).sum(0), 1.0 / (w**2).sum()
-
-
-class ExtraParamSampler(UserSampler):
-    """Same buffers plus a learnable parameter: not a reference module."""
-
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.temperature = nn.Parameter(torch.ones(()))
-
-
-class WrongShapeSampler(nn.Module):
-    """Same buffer names, inconsistent shapes (mix_mus has D+1 columns)."""
-
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim + 1))
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-        self.register_buffer("q_std", torch.ones(dim))
-
-
-class WrongRankSampler(WrongShapeSampler):
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.mix_mus = torch.randn(num_components, dim)
-        self.mix_weights = torch.ones(1, num_components)  # [1, K] instead of [K]
-
-
-class MissingBufferSampler(nn.Module):
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim))
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-
-
-class ExtraBufferSampler(UserSampler):
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-
-
-class ChildSampler(UserSampler):
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.post = nn.Identity()
 
 
 SAMPLER_NON_MATCHING = {
@@ -110,34 +58,6 @@ SAMPLER_NON_MATCHING = {
     "extra_buffer": lambda: ExtraBufferSampler(4, 2),
     "submodule": lambda: ChildSampler(4, 2),
 }
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.sampler = UserSampler(dim, 2)
-        self.decoy = WrongShapeSampler(dim, 2)
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder = nn.Linear(4, 4)
-        self.blocks = nn.Sequential(Block(4), Block(4))  # samplers two levels down
-        self.head = reference.ImportanceSampler(4, 3)
-        self.extra = ExtraParamSampler(4, 2)
-        self.table = nn.ModuleDict({"ref": reference.ImportanceSampler(3, 1), "lin": nn.Linear(2, 2)})
-
-
-def _randomise(module):
-    """Non-default buffer values, so equality checks have something to check."""
-    with torch.no_grad():
-        module.mix_weights.copy_(torch.rand_like(module.mix_weights) + 0.1)
-        module.mix_stds.copy_(torch.rand_like(module.mix_stds) + 0.5)
-        module.q_mu.copy_(torch.randn_like(module.q_mu))
-        module.q_std.copy_(torch.rand_like(module.q_std) + 2.0)
-    return module
 
 
 # --- construction and checkpoints --------------------------------------------
@@ -162,7 +82,7 @@ def test_sampler_state_dict_keys_identical_and_ordered(dim, k):
 
 @pytest.mark.parametrize("dim,k", SIZES)
 def test_sampler_load_state_dict_strict_both_ways(dim, k):
-    ref = _randomise(reference.ImportanceSampler(dim, k))
+    ref = randomise(reference.ImportanceSampler(dim, k))
     fused = ImportanceSampler(dim, k)  # other random mix_mus, default rest
     result = fused.load_state_dict(ref.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
@@ -172,7 +92,7 @@ def test_sampler_load_state_dict_strict_both_ways(dim, k):
     for f, r in zip(fused(x), ref(x)):
         torch.testing.assert_close(f, r, **tol(torch.float32))
 
-    _randomise(fused)
+    randomise(fused)
     back = reference.ImportanceSampler(dim, k)
     back.load_state_dict(fused.state_dict(), strict=True)
     for name in BUFFERS:
@@ -190,7 +110,7 @@ def test_sampler_load_state_dict_strict_rejects_wrong_shape():
 
 @pytest.mark.parametrize("dim,k", SIZES)
 def test_sampler_forward_matches_reference(dim, k, device):
-    ref = _randomise(reference.ImportanceSampler(dim, k)).to(device)
+    ref = randomise(reference.ImportanceSampler(dim, k)).to(device)
     fused = ImportanceSampler.from_reference(ref)
     x = torch.randn(4096, dim, device=device) * 3
     got, want = fused(x), ref(x)
@@ -206,8 +126,8 @@ def test_sampler_forward_matches_reference(dim, k, device):
 
 
 def test_sampler_to_float64():
-    ref = _randomise(reference.ImportanceSampler(5, 3)).to(dtype=torch.float64)
-    fused = _randomise(ImportanceSampler(5, 3))
+    ref = randomise(reference.ImportanceSampler(5, 3)).to(dtype=torch.float64)
+    fused = randomise(ImportanceSampler(5, 3))
     fused = fused.to(dtype=torch.float64)
     assert all(getattr(fused, n).dtype == torch.float64 for n in BUFFERS)
     fused.load_state_dict(ref.state_dict(), strict=True)
@@ -220,7 +140,7 @@ def test_sampler_to_float64():
 
 @requires_cuda
 def test_sampler_module_cuda():
-    ref = _randomise(reference.ImportanceSampler(16, 3))
+    ref = randomise(reference.ImportanceSampler(16, 3))
     fused = ImportanceSampler(16, 3)
     fused.load_state_dict(ref.state_dict())
     fused = fused.cuda()
@@ -232,7 +152,7 @@ def test_sampler_module_cuda():
     for g, w in zip(got, ref(x)):
         torch.testing.assert_close(g, w, **tol(torch.float32))
     # A converted CPU model moved to the GPU afterwards.
-    model = convert(nn.Sequential(nn.Linear(16, 16), _randomise(reference.ImportanceSampler(16, 3)))).cuda()
+    model = convert(nn.Sequential(nn.Linear(16, 16), randomise(reference.ImportanceSampler(16, 3)))).cuda()
     assert isinstance(model[1], ImportanceSampler)
     y = model[0](x)
     for g, w in zip(model[1](y), reference.importance_sampling(y, *(getattr(model[1], n) for n in BUFFERS))[:2]):
@@ -243,7 +163,7 @@ def test_sampler_module_cuda():
 
 
 def test_sampler_from_reference_shares_storage(device):
-    ref = _randomise(reference.ImportanceSampler(8, 3)).to(device)
+    ref = randomise(reference.ImportanceSampler(8, 3)).to(device)
     fused = ImportanceSampler.from_reference(ref)
     assert isinstance(fused, ImportanceSampler)
     for name in BUFFERS:
@@ -264,7 +184,7 @@ def test_sampler_from_reference_shares_storage(device):
 
 
 def test_sampler_from_reference_user_copy_and_training_flag():
-    user = _randomise(UserSampler(6, 4)).eval()
+    user = randomise(UserSampler(6, 4)).eval()
     fused = ImportanceSampler.from_reference(user)
     assert not fused.training
     assert list(fused.state_dict()) == list(user.state_dict())
@@ -286,7 +206,7 @@ def test_sampler_convert_model_tree():
     model = Model()
     for m in model.modules():
         if isinstance(m, (UserSampler, reference.ImportanceSampler)):
-            _randomise(m)
+            randomise(m)
     sd_before = model.state_dict()
     ptrs_before = {k: v.data_ptr() for k, v in sd_before.items()}
     originals = dict(model.named_modules())
@@ -326,7 +246,7 @@ def test_sampler_convert_model_tree():
 
 
 def test_sampler_convert_bare_reference_module(device):
-    ref = _randomise(reference.ImportanceSampler(5, 2)).to(device)
+    ref = randomise(reference.ImportanceSampler(5, 2)).to(device)
     fused = convert(ref)
     assert isinstance(fused, ImportanceSampler)
     for name in BUFFERS:
@@ -348,7 +268,7 @@ def test_sampler_convert_leaves_non_matching_and_fused_alone():
 
 def test_sampler_converted_model_under_compile():
     torch._dynamo.reset()
-    model = convert(nn.Sequential(nn.Linear(4, 4), _randomise(reference.ImportanceSampler(4, 3))))
+    model = convert(nn.Sequential(nn.Linear(4, 4), randomise(reference.ImportanceSampler(4, 3))))
     x = torch.randn(512, 4)
     with torch.no_grad():
         want = model(x)
@@ -360,45 +280,6 @@ def test_sampler_converted_model_under_compile():
 # ---------------------------------------------------------------------------
 # FlowODE
 # ---------------------------------------------------------------------------
-
-
-class UserFlow(nn.Module):
-    """A user's own copy of the reference module (another class, same structure)."""
-
-    def __init__(self, dim, num_steps, hidden=None):
-        super().__init__()
-        hidden = hidden or 4 * dim
-        self.velocity = nn.Sequential(
-            nn.Linear(dim + 1, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, dim)
-        )
-        self.num_steps = num_steps
-        self.register_buffer("dt", torch.tensor(1.0 / num_steps))
-
-    forward = reference.FlowODE.forward
-
-
-class ReluFlow(UserFlow):
-    def __init__(self, dim, num_steps):
-        super().__init__(dim, num_steps)
-        self.velocity[1] = nn.ReLU()
-
-
-class NoBiasFlow(UserFlow):
-    def __init__(self, dim, num_steps):
-        super().__init__(dim, num_steps)
-        self.velocity[4] = nn.Linear(4 * dim, dim, bias=False)
-
-
-class ExtraParamFlow(UserFlow):
-    def __init__(self, dim, num_steps):
-        super().__init__(dim, num_steps)
-        self.scale = nn.Parameter(torch.ones(()))
-
-
-class WrongShapeFlow(UserFlow):
-    def __init__(self, dim, num_steps):
-        super().__init__(dim, num_steps)
-        self.velocity[4] = nn.Linear(4 * dim, dim + 1)
 
 
 FLOW_NON_MATCHING = {"relu": ReluFlow, "no_bias": NoBiasFlow, "extra_param": ExtraParamFlow, "wrong_shape": WrongShapeFlow}
@@ -463,43 +344,6 @@ def test_flow_backward(device):
 # ---------------------------------------------------------------------------
 
 VAE_OUT_NAMES = ("elbo", "recon", "kl")
-
-
-class UserVAE(nn.Module):
-    """A user's own copy of the reference VAE under another name."""
-
-    def __init__(self, i, h, l_):
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(i, h), nn.ReLU())
-        self.fc_mu = nn.Linear(h, l_)
-        self.fc_logvar = nn.Linear(h, l_)
-        self.decoder = nn.Sequential(nn.Linear(l_, h), nn.ReLU(), nn.Linear(h, i), nn.Sigmoid())
-
-    forward = reference.VAE.forward
-
-
-class TanhVAE(UserVAE):
-    def __init__(self, i, h, l_):
-        super().__init__(i, h, l_)
-        self.encoder[1] = nn.Tanh()
-
-
-class WrongShapeVAE(UserVAE):
-    def __init__(self, i, h, l_):
-        super().__init__(i, h, l_)
-        self.fc_logvar = nn.Linear(h, l_ + 1)
-
-
-class NoBiasVAE(UserVAE):
-    def __init__(self, i, h, l_):
-        super().__init__(i, h, l_)
-        self.fc_mu = nn.Linear(h, l_, bias=False)
-
-
-class ExtraVAE(UserVAE):
-    def __init__(self, i, h, l_):
-        super().__init__(i, h, l_)
-        self.beta = nn.Parameter(torch.ones(()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
