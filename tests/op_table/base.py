@@ -146,7 +146,8 @@ class OpCase:
     grad32_inputs: Optional[Callable] = None  # (case, size, device) -> float32 args requiring grad
     grad32_upstream: Optional[Callable] = None  # (outs, size) -> [upstream per output]
     grad32_check: Optional[Callable] = None  # (case, got, ref32, exact, ctx) -> None
-    nonlinear: Callable = torch.square  # a nonlinear term of each output in a gradcheck loss
+    # A term nonlinear in the outputs for a gradcheck loss (outputs -> scalar).
+    nonlinear_loss: Callable = lambda outs: 0.3 * sum(o.square().sum() for o in outs)
     double_backward_match: str = "does not support double backward"
     # -- the backward op
     bwd: Any = None  # torch.ops.fused_ops.<op>_backward.default

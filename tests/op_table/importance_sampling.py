@@ -252,7 +252,9 @@ IMPORTANCE_SAMPLING = OpCase(
     ),
     grad32_upstream=_is_grad32_upstream,
     grad32_check=_is_grad32_check,
-    nonlinear=lambda o: o.exp().square(),
+    # exp(lw)^2: the squared weights, as the ESS sees them; an exp of ess or
+    # of the mean would make the loss too large for finite differences.
+    nonlinear_loss=lambda outs: (outs[2].exp() ** 2).sum(),
     bwd=torch.ops.fused_ops.importance_sampling_backward.default,
     bwd_args=_is_bwd_args,
     bwd_grad_names=("grad_weighted_mean", "grad_ess", "grad_log_weights"),
