@@ -6,9 +6,10 @@ GPU the "cuda" variants are reported as skipped (see fused_test_utils).
 Seeds: every test runs under its own seed, seeded into torch (CPU and CUDA)
 and ``random`` by the autouse ``seed`` fixture, so each test draws fresh
 inputs that differ from test to test and from run to run.  The per-test seed
-is ``(base + crc32(node id)) mod 2**63``; the base is random per session
-unless FUSED_OPS_TEST_SEED is set.  The base seed is printed in the session
-header and the per-test seed in the report of every failing test, so
+is ``(base + crc32(node id)) mod 2**63``; the base is drawn afresh by each
+pytest invocation unless FUSED_OPS_TEST_SEED is set.  The base seed is
+printed in the report header and the per-test seed in the report of every
+failing test, so
 
     FUSED_OPS_TEST_SEED=<base> python -m pytest 'tests/...::test_x[...]'
 

@@ -1,6 +1,9 @@
-"""Shared helpers of the fused_ops test suite (devices, seeds, input makers).
+"""Shared helpers of the fused_ops test suite: devices, tolerances, input
+makers of the three ops, error-message checks, poisoned allocations.
 
-Imported by conftest.py and the test files (pytest puts tests/ on sys.path).
+Imported by conftest.py, op_cases.py and the test files (pytest puts tests/
+on sys.path).  No test file imports another test file: what two of them
+share lives here or in op_cases.py.
 """
 
 import os
@@ -119,6 +122,66 @@ def make_inputs(
 
 
 ARG_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
+FLOW_ARG_NAMES = ("x0", "w1", "b1", "w2", "b2", "w3", "b3")
+VAE_ARG_NAMES = ("x", "eps", "w_enc", "b_enc", "w_mu", "b_mu", "w_logvar", "b_logvar",
+                 "w_dec1", "b_dec1", "w_dec2", "b_dec2")
+
+
+def _linear(out_f, in_f, dtype, scale=1.0):
+    """nn.Linear's default initialisation (uniform in +-1/sqrt(fan_in)), times ``scale``."""
+    bound = scale / in_f**0.5
+    w = (torch.rand(out_f, in_f, dtype=dtype) * 2 - 1) * bound
+    b = (torch.rand(out_f, dtype=dtype) * 2 - 1) * bound
+    return w, b
+
+
+def make_flow_args(B, D, H, dtype=torch.float32, device="cpu", x_scale=1.0, requires_grad=False):
+    """``[x0, w1, b1, w2, b2, w3, b3]`` of flow_euler, drawn like ``nn.Linear``'s
+    initialisation from the global generator on the CPU, then moved to
+    ``device``: a seed gives the same values everywhere."""
+    x0 = torch.randn(B, D, dtype=dtype) * x_scale
+    w1, b1 = _linear(H, D + 1, dtype)
+    w2, b2 = _linear(H, H, dtype)
+    w3, b3 = _linear(D, H, dtype)
+    args = [t.to(device) for t in (x0, w1, b1, w2, b2, w3, b3)]
+    if requires_grad:
+        args = [t.requires_grad_() for t in args]
+    return args
+
+
+def make_vae_inputs(B, I, H, L, dtype=torch.float32, device="cpu", weight_scale=2.0, requires_grad=False):
+    """``[x, eps, w_enc, b_enc, ..., b_dec2]`` of vae_elbo, drawn on the CPU
+    (global generator), then moved to ``device``.  Weights are nn.Linear's
+    uniform(+-1/sqrt(fan_in)) times ``weight_scale`` so that the logits,
+    logvar and the ReLU masks are not all tiny."""
+    x = torch.rand(B, I, dtype=dtype)
+    eps = torch.randn(B, L, dtype=dtype)
+    params = []
+    for n_out, n_in in ((H, I), (L, H), (L, H), (H, L), (I, H)):
+        params += _linear(n_out, n_in, dtype, weight_scale)
+    args = [t.to(device) for t in (x, eps, *params)]
+    if requires_grad:
+        args = [t.requires_grad_() for t in args]
+    return args
+
+
+def poison_allocator(device, dtype, numels, copies=12):
+    """Fill memory the allocator is about to hand out with NaN.
+
+    CUDA: the caching allocator keeps freed blocks and hands them out again
+    for requests of the same rounded size, so NaN-filled blocks of the given
+    sizes (``copies`` of each) and one large block that the large pool
+    splits are what the op's next allocations get.  CPU: best effort; glibc
+    malloc reuses freed small chunks for same-size requests, but large
+    (mmap'ed, > 128 KiB) ones go back to the OS and come back zeroed, so
+    there the check rests on the comparison with the reference.
+    """
+    nan = float("nan")
+    blocks = [torch.full((max(int(n), 1),), nan, dtype=dtype, device=device) for n in numels for _ in range(copies)]
+    if torch.device(device).type == "cuda":
+        blocks.append(torch.full((64 << 20,), nan, dtype=torch.float32, device=device))
+    sync(device)
+    del blocks
 
 
 def describe(args):
@@ -162,7 +225,8 @@ def run_with_baseline_isa(tmp_path, body):
     ATEN_CPU_CAPABILITY=default, which makes the CPU kernels take their
     baseline (SSE2) build instead of the AVX2 one picked at run time.  The
     child imports the fused_ops this process imported (installed, or built in
-    place in a source tree); ``body`` must raise on a mismatch."""
+    place in a source tree) and can import the suite's helper modules
+    (tests/ is on its path); ``body`` must raise on a mismatch."""
     import fused_ops
 
     script = tmp_path / "baseline_isa.py"
@@ -172,7 +236,8 @@ def run_with_baseline_isa(tmp_path, body):
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(fused_ops.__file__)))
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.path.dirname(os.path.abspath(__file__)),
+                                                        os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 

@@ -1,7 +1,7 @@
 """Forward-mode AD is refused with a clear error by the Python functions and
-modules of fused_ops (fused_ops.ops._reject_forward_ad): the ops have no
-forward derivative, and before this check torch.func.jvp got a zero tangent
-back, silently.  Calls on plain tensors inside forward-AD contexts still work.
+modules of fused_ops: the ops have no forward derivative, and without the
+check torch.func.jvp would get a zero tangent back, silently.  Calls on
+plain tensors inside forward-AD contexts still work.
 """
 
 import pytest
@@ -9,16 +9,10 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import fused_ops
-from fused_test_utils import make_inputs
-from test_flow_euler import make_args as make_flow_args
-from test_vae_elbo import make_inputs as make_vae_inputs
+from op_cases import small_calls
 
 # (Python function, inputs, extra scalar arguments)
-CASES = {
-    "importance_sampling": (fused_ops.importance_sampling, lambda d: make_inputs(37, 5, 3, device=d), ()),
-    "flow_euler": (fused_ops.flow_euler, lambda d: make_flow_args(3, 4, 9, device=d), (3,)),
-    "vae_elbo": (fused_ops.vae_elbo, lambda d: make_vae_inputs(4, 6, 5, 3, device=d), ()),
-}
+CASES = small_calls()
 MESSAGE = "does not support forward-mode AD"
 
 

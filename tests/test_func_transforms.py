@@ -4,11 +4,11 @@ grad gives per-sample gradients (also of a module through functional_call,
 equal to the reference module's), jacrev the reference's Jacobian, and a
 second derivative is refused with the ops' double-backward error.
 
-They work because eager calls run each op, and its backward op, as a
-torch.autograd.Function with a setup_context staticmethod and a generated
-vmap rule (fused_ops.ops._register_autograd), which functorch requires; the
-Function torch.library.register_autograd generates has neither, so torch
-refuses torch.ops.fused_ops.* called directly under torch.func.grad.
+They work because eager calls of the Python functions run each op, and its
+backward op, as a torch.autograd.Function with a setup_context staticmethod
+and a vmap rule, which functorch requires; the Function that
+torch.library.register_autograd generates has neither, so torch refuses
+torch.ops.fused_ops.* called directly under torch.func.grad.
 """
 
 import pytest
@@ -18,8 +18,10 @@ import fused_ops
 import fused_ops.nn
 import fused_ops.reference
 from fused_test_utils import make_inputs
-from test_forward_ad import CASES  # (Python function, inputs, extra scalar arguments)
-from test_ops_dispatch import _outputs
+from op_cases import as_tuple as _outputs
+from op_cases import small_calls
+
+CASES = small_calls()  # (Python function, inputs, extra scalar arguments)
 
 
 def _loss(fn, scalars, upstream):

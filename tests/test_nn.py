@@ -1,6 +1,13 @@
-"""Tests of the fused module fused_ops.nn.ImportanceSampler and fused_ops.nn.convert
-(DESIGN.md section 3: same constructor, same buffers, checkpoints load strictly,
-identical construction under one seed, conversion of model trees sharing storage).
+"""Tests of the fused modules fused_ops.nn.ImportanceSampler, FlowODE and VAE,
+and of fused_ops.nn.convert (DESIGN.md section 3: same constructor, same
+parameter and buffer names, checkpoints load strictly both ways, identical
+construction under one seed, constructors from the user's own layers that
+share their parameters, conversion of model trees).
+
+Each module's own checks come first (the sampler's buffers and model-tree
+conversion, the flow's and the VAE's parameter handling and batch shapes),
+then those every module shares, over MODULES.  The users' modules they use
+are in user_modules.py.
 """
 
 import pytest
@@ -10,87 +17,39 @@ from torch import nn
 import fused_ops
 from fused_ops import reference
 from fused_ops.nn import ImportanceSampler, convert
-from fused_test_utils import requires_cuda, tol
+from fused_test_utils import DTYPES, Doubled, requires_cuda, tol
+from user_modules import (
+    ChildSampler,
+    ExtraBufferSampler,
+    ExtraParamFlow,
+    ExtraParamSampler,
+    ExtraVAE,
+    MissingBufferSampler,
+    Model,
+    NoBiasFlow,
+    NoBiasVAE,
+    ReluFlow,
+    TanhVAE,
+    UserFlow,
+    UserSampler,
+    UserVAE,
+    WrongRankSampler,
+    WrongShapeFlow,
+    WrongShapeSampler,
+    WrongShapeVAE,
+    randomise,
+)
+
+
+# ---------------------------------------------------------------------------
+# ImportanceSampler
+# ---------------------------------------------------------------------------
 
 BUFFERS = ("mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
 SIZES = [pytest.param(1, 1, id="D1-K1"), pytest.param(16, 3, id="D16-K3"), pytest.param(33, 8, id="D33-K8")]
 
 
-# --- user-side modules ------------------------------------------------------
-
-
-class UserSampler(nn.Module):
-    """A user's own copy of the reference module under another name: same
-    buffers, created in the same order, its own forward."""
-
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim) * 2.0)
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-        self.register_buffer("q_std", torch.ones(dim) * 3.0)
-
-    def forward(self, samples):
-        x = samples
-        diff = (x[:, None, :] - self.mix_mus[None]) / self.mix_stds[None]
-        log_comp = (-0.5 * diff**2 - torch.log(self.mix_stds)[None]).sum(-1)
-        log_p = torch.logsumexp(log_comp + torch.log(self.mix_weights)[None], dim=-1)
-        log_q = (-0.5 * ((x - self.q_mu) / self.q_std) ** 2 - torch.log(self.q_std)).sum(-1)
-        log_w = log_p - log_q
-        w = torch.softmax(log_w, 0)
-        return (w[:, None] * x).sum(0), 1.0 / (w**2).sum()
-
-
-class ExtraParamSampler(UserSampler):
-    """Same buffers plus a learnable parameter: not a reference module."""
-
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.temperature = nn.Parameter(torch.ones(()))
-
-
-class WrongShapeSampler(nn.Module):
-    """Same buffer names, inconsistent shapes (mix_mus has D+1 columns)."""
-
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim + 1))
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-        self.register_buffer("q_std", torch.ones(dim))
-
-
-class WrongRankSampler(WrongShapeSampler):
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.mix_mus = torch.randn(num_components, dim)
-        self.mix_weights = torch.ones(1, num_components)  # [1, K] instead of [K]
-
-
-class MissingBufferSampler(nn.Module):
-    def __init__(self, dim, num_components=3):
-        super().__init__()
-        self.register_buffer("mix_weights", torch.ones(num_components) / num_components)
-        self.register_buffer("mix_mus", torch.randn(num_components, dim))
-        self.register_buffer("mix_stds", torch.ones(num_components, dim))
-        self.register_buffer("q_mu", torch.zeros(dim))
-
-
-class ExtraBufferSampler(UserSampler):
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-
-
-class ChildSampler(UserSampler):
-    def __init__(self, dim, num_components=3):
-        super().__init__(dim, num_components)
-        self.post = nn.Identity()
-
-
-NON_MATCHING = {
+SAMPLER_NON_MATCHING = {
     "linear": lambda: nn.Linear(4, 4),
     "extra_parameter": lambda: ExtraParamSampler(4, 2),
     "wrong_shapes": lambda: WrongShapeSampler(4, 2),
@@ -101,58 +60,19 @@ NON_MATCHING = {
 }
 
 
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.sampler = UserSampler(dim, 2)
-        self.decoy = WrongShapeSampler(dim, 2)
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder = nn.Linear(4, 4)
-        self.blocks = nn.Sequential(Block(4), Block(4))  # samplers two levels down
-        self.head = reference.ImportanceSampler(4, 3)
-        self.extra = ExtraParamSampler(4, 2)
-        self.table = nn.ModuleDict({"ref": reference.ImportanceSampler(3, 1), "lin": nn.Linear(2, 2)})
-
-
-def _randomise(module):
-    """Non-default buffer values, so equality checks have something to check."""
-    with torch.no_grad():
-        module.mix_weights.copy_(torch.rand_like(module.mix_weights) + 0.1)
-        module.mix_stds.copy_(torch.rand_like(module.mix_stds) + 0.5)
-        module.q_mu.copy_(torch.randn_like(module.q_mu))
-        module.q_std.copy_(torch.rand_like(module.q_std) + 2.0)
-    return module
-
-
 # --- construction and checkpoints --------------------------------------------
 
 
 @pytest.mark.parametrize("dim,k", SIZES)
-def test_construction_under_one_seed_equals_reference(dim, k, seed):
-    torch.manual_seed(seed)
-    ref = reference.ImportanceSampler(dim, k)
-    after_ref = torch.rand(8)  # the generator state construction left behind
-    torch.manual_seed(seed)
+def test_sampler_buffers_and_repr(dim, k):
     fused = ImportanceSampler(dim, k)
-    after_fused = torch.rand(8)
-    assert torch.equal(after_ref, after_fused), "construction consumed different random numbers"
-    ref_buffers, fused_buffers = dict(ref.named_buffers()), dict(fused.named_buffers())
-    assert list(fused_buffers) == list(ref_buffers) == list(BUFFERS)
-    for name in BUFFERS:
-        r, f = ref_buffers[name], fused_buffers[name]
-        assert f.dtype == r.dtype and f.shape == r.shape, name
-        assert torch.equal(f, r), name
+    assert [n for n, _ in fused.named_buffers()] == list(BUFFERS)
     assert list(fused.parameters()) == []
     assert f"dim={dim}" in repr(fused) and f"num_components={k}" in repr(fused)
 
 
 @pytest.mark.parametrize("dim,k", SIZES)
-def test_state_dict_keys_identical_and_ordered(dim, k):
+def test_sampler_state_dict_keys_identical_and_ordered(dim, k):
     ref_sd = reference.ImportanceSampler(dim, k).state_dict()
     fused_sd = ImportanceSampler(dim, k).state_dict()
     assert list(fused_sd) == list(ref_sd)
@@ -161,8 +81,8 @@ def test_state_dict_keys_identical_and_ordered(dim, k):
 
 
 @pytest.mark.parametrize("dim,k", SIZES)
-def test_load_state_dict_strict_both_ways(dim, k):
-    ref = _randomise(reference.ImportanceSampler(dim, k))
+def test_sampler_load_state_dict_strict_both_ways(dim, k):
+    ref = randomise(reference.ImportanceSampler(dim, k))
     fused = ImportanceSampler(dim, k)  # other random mix_mus, default rest
     result = fused.load_state_dict(ref.state_dict(), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
@@ -172,14 +92,14 @@ def test_load_state_dict_strict_both_ways(dim, k):
     for f, r in zip(fused(x), ref(x)):
         torch.testing.assert_close(f, r, **tol(torch.float32))
 
-    _randomise(fused)
+    randomise(fused)
     back = reference.ImportanceSampler(dim, k)
     back.load_state_dict(fused.state_dict(), strict=True)
     for name in BUFFERS:
         assert torch.equal(getattr(back, name), getattr(fused, name)), name
 
 
-def test_load_state_dict_strict_rejects_wrong_shape():
+def test_sampler_load_state_dict_strict_rejects_wrong_shape():
     fused = ImportanceSampler(4, 3)
     with pytest.raises(RuntimeError, match="mix_mus"):
         fused.load_state_dict(reference.ImportanceSampler(5, 3).state_dict(), strict=True)
@@ -189,8 +109,8 @@ def test_load_state_dict_strict_rejects_wrong_shape():
 
 
 @pytest.mark.parametrize("dim,k", SIZES)
-def test_forward_matches_reference(dim, k, device):
-    ref = _randomise(reference.ImportanceSampler(dim, k)).to(device)
+def test_sampler_forward_matches_reference(dim, k, device):
+    ref = randomise(reference.ImportanceSampler(dim, k)).to(device)
     fused = ImportanceSampler.from_reference(ref)
     x = torch.randn(4096, dim, device=device) * 3
     got, want = fused(x), ref(x)
@@ -205,9 +125,9 @@ def test_forward_matches_reference(dim, k, device):
     assert torch.equal(mean, got[0]) and torch.equal(ess, got[1])
 
 
-def test_to_float64():
-    ref = _randomise(reference.ImportanceSampler(5, 3)).to(dtype=torch.float64)
-    fused = _randomise(ImportanceSampler(5, 3))
+def test_sampler_to_float64():
+    ref = randomise(reference.ImportanceSampler(5, 3)).to(dtype=torch.float64)
+    fused = randomise(ImportanceSampler(5, 3))
     fused = fused.to(dtype=torch.float64)
     assert all(getattr(fused, n).dtype == torch.float64 for n in BUFFERS)
     fused.load_state_dict(ref.state_dict(), strict=True)
@@ -219,8 +139,8 @@ def test_to_float64():
 
 
 @requires_cuda
-def test_module_cuda():
-    ref = _randomise(reference.ImportanceSampler(16, 3))
+def test_sampler_module_cuda():
+    ref = randomise(reference.ImportanceSampler(16, 3))
     fused = ImportanceSampler(16, 3)
     fused.load_state_dict(ref.state_dict())
     fused = fused.cuda()
@@ -232,7 +152,7 @@ def test_module_cuda():
     for g, w in zip(got, ref(x)):
         torch.testing.assert_close(g, w, **tol(torch.float32))
     # A converted CPU model moved to the GPU afterwards.
-    model = convert(nn.Sequential(nn.Linear(16, 16), _randomise(reference.ImportanceSampler(16, 3)))).cuda()
+    model = convert(nn.Sequential(nn.Linear(16, 16), randomise(reference.ImportanceSampler(16, 3)))).cuda()
     assert isinstance(model[1], ImportanceSampler)
     y = model[0](x)
     for g, w in zip(model[1](y), reference.importance_sampling(y, *(getattr(model[1], n) for n in BUFFERS))[:2]):
@@ -242,8 +162,8 @@ def test_module_cuda():
 # --- from_reference / matches ----------------------------------------------------
 
 
-def test_from_reference_shares_storage(device):
-    ref = _randomise(reference.ImportanceSampler(8, 3)).to(device)
+def test_sampler_from_reference_shares_storage(device):
+    ref = randomise(reference.ImportanceSampler(8, 3)).to(device)
     fused = ImportanceSampler.from_reference(ref)
     assert isinstance(fused, ImportanceSampler)
     for name in BUFFERS:
@@ -263,8 +183,8 @@ def test_from_reference_shares_storage(device):
     assert ref.mix_weights[0].item() == 5.0
 
 
-def test_from_reference_user_copy_and_training_flag():
-    user = _randomise(UserSampler(6, 4)).eval()
+def test_sampler_from_reference_user_copy_and_training_flag():
+    user = randomise(UserSampler(6, 4)).eval()
     fused = ImportanceSampler.from_reference(user)
     assert not fused.training
     assert list(fused.state_dict()) == list(user.state_dict())
@@ -273,15 +193,7 @@ def test_from_reference_user_copy_and_training_flag():
         torch.testing.assert_close(g, w, **tol(torch.float32))
 
 
-@pytest.mark.parametrize("kind", list(NON_MATCHING))
-def test_from_reference_rejects_non_matching(kind):
-    module = NON_MATCHING[kind]()
-    assert not ImportanceSampler.matches(module)
-    with pytest.raises(ValueError, match=type(module).__name__):
-        ImportanceSampler.from_reference(module)
-
-
-def test_matches_accepts_references():
+def test_sampler_matches_accepts_references():
     assert ImportanceSampler.matches(reference.ImportanceSampler(4, 2))
     assert ImportanceSampler.matches(UserSampler(7, 1))
     assert ImportanceSampler.matches(ImportanceSampler(3, 5))
@@ -290,11 +202,11 @@ def test_matches_accepts_references():
 # --- convert ---------------------------------------------------------------------------
 
 
-def test_convert_model_tree():
+def test_sampler_convert_model_tree():
     model = Model()
     for m in model.modules():
         if isinstance(m, (UserSampler, reference.ImportanceSampler)):
-            _randomise(m)
+            randomise(m)
     sd_before = model.state_dict()
     ptrs_before = {k: v.data_ptr() for k, v in sd_before.items()}
     originals = dict(model.named_modules())
@@ -333,8 +245,8 @@ def test_convert_model_tree():
     Model().load_state_dict(sd_after, strict=True)
 
 
-def test_convert_bare_reference_module(device):
-    ref = _randomise(reference.ImportanceSampler(5, 2)).to(device)
+def test_sampler_convert_bare_reference_module(device):
+    ref = randomise(reference.ImportanceSampler(5, 2)).to(device)
     fused = convert(ref)
     assert isinstance(fused, ImportanceSampler)
     for name in BUFFERS:
@@ -344,8 +256,8 @@ def test_convert_bare_reference_module(device):
         torch.testing.assert_close(g, w, **tol(torch.float32))
 
 
-def test_convert_leaves_non_matching_and_fused_alone():
-    for kind, make in NON_MATCHING.items():
+def test_sampler_convert_leaves_non_matching_and_fused_alone():
+    for kind, make in SAMPLER_NON_MATCHING.items():
         module = make()
         assert convert(module) is module, kind
     fused = ImportanceSampler(3, 2)
@@ -354,12 +266,231 @@ def test_convert_leaves_non_matching_and_fused_alone():
     assert isinstance(model.head, ImportanceSampler)
 
 
-def test_converted_model_under_compile():
+def test_sampler_converted_model_under_compile():
     torch._dynamo.reset()
-    model = convert(nn.Sequential(nn.Linear(4, 4), _randomise(reference.ImportanceSampler(4, 3))))
+    model = convert(nn.Sequential(nn.Linear(4, 4), randomise(reference.ImportanceSampler(4, 3))))
     x = torch.randn(512, 4)
     with torch.no_grad():
         want = model(x)
         got = torch.compile(model, fullgraph=True)(x)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# FlowODE
+# ---------------------------------------------------------------------------
+
+
+FLOW_NON_MATCHING = {"relu": ReluFlow, "no_bias": NoBiasFlow, "extra_param": ExtraParamFlow, "wrong_shape": WrongShapeFlow}
+
+
+@pytest.mark.parametrize("dim,steps", [(1, 1), (5, 3), (64, 32)])
+def test_flow_forward_matches_reference(dim, steps, device):
+    ref_module = reference.FlowODE(dim, steps).to(device)
+    fused = fused_ops.nn.FlowODE.from_reference(ref_module)
+    x = torch.randn(8, dim, device=device)
+    torch.testing.assert_close(fused(x), ref_module(x), **tol(torch.float32))
+
+
+def test_flow_follows_replaced_and_parametrized_weights():
+    # The forward reads parameters from the layers' dictionaries (fused_ops/nn.py);
+    # a replaced Parameter and a parametrized weight (a property, no longer in
+    # the dictionary) must be what it computes with, as the reference's layers do.
+    torch.manual_seed(0)
+    fused = fused_ops.nn.FlowODE(5, 3)
+    x = torch.randn(4, 5)
+    fused.velocity[4].bias = nn.Parameter(torch.randn(5))
+    nn.utils.parametrize.register_parametrization(fused.velocity[2], "weight", Doubled())
+    want = reference.FlowODE.forward(fused, x)
+    torch.testing.assert_close(fused(x), want, **tol(torch.float32))
+    nn.utils.parametrize.remove_parametrizations(fused.velocity[2], "weight", leave_parametrized=False)
+    assert not torch.allclose(fused(x), want)
+
+
+def test_flow_from_reference_shares_parameters_and_user_copy(device):
+    user = UserFlow(5, 3, hidden=13).to(device)
+    fused = fused_ops.nn.FlowODE.from_reference(user)
+    assert fused.velocity is user.velocity and fused.dt is user.dt and fused.num_steps == 3
+    x = torch.randn(4, 5, device=device)
+    torch.testing.assert_close(fused(x), user(x), **tol(torch.float32))
+    with torch.no_grad():
+        user.velocity[4].bias.add_(1.0)  # seen through the shared parameter
+    torch.testing.assert_close(fused(x), user(x), **tol(torch.float32))
+
+
+def test_flow_convert_model_tree(device):
+    model = nn.Sequential(nn.Linear(5, 5), reference.FlowODE(5, 4), ReluFlow(5, 4)).to(device)
+    x = torch.randn(3, 5, device=device)
+    want = model(x)
+    converted = fused_ops.nn.convert(model)
+    assert isinstance(converted[1], fused_ops.nn.FlowODE)
+    assert type(converted[2]) is ReluFlow  # not a reference module: left alone
+    torch.testing.assert_close(converted(x), want, **tol(torch.float32))
+
+
+def test_flow_backward(device):
+    ref_module = reference.FlowODE(4, 3).to(device)
+    fused = fused_ops.nn.FlowODE.from_reference(ref_module)
+    x = torch.randn(5, 4, device=device)
+    g_fused = torch.autograd.grad(fused(x).square().sum(), list(fused.parameters()))
+    g_ref = torch.autograd.grad(ref_module(x).square().sum(), list(ref_module.parameters()))
+    for a, b in zip(g_fused, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# VAE
+# ---------------------------------------------------------------------------
+
+VAE_OUT_NAMES = ("elbo", "recon", "kl")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_vae_seeded_forward_equals_reference(dtype, device, seed):
+    ref = reference.VAE(30, 20, 5).to(device=device, dtype=dtype)
+    mod = fused_ops.nn.VAE.from_reference(ref)
+    x = torch.rand(17, 30, device=device, dtype=dtype)
+    torch.manual_seed(seed)
+    want = ref(x)
+    after_ref = torch.rand(3, device=device)
+    torch.manual_seed(seed)
+    got = mod(x)
+    assert torch.equal(torch.rand(3, device=device), after_ref)  # the same draws, no more
+    for name, g, w in zip(VAE_OUT_NAMES, got, want):
+        torch.testing.assert_close(g, w, **tol(dtype), msg=lambda m, n=name: f"{n}: {m}")
+    # Given eps, no draw at all.
+    eps = torch.randn(17, 5, device=device, dtype=dtype)
+    state = torch.get_rng_state()
+    for g, w in zip(mod(x, eps), ref(x, eps)):
+        torch.testing.assert_close(g, w, **tol(dtype))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_vae_batch_shapes():
+    mod = fused_ops.nn.VAE(6, 5, 2)
+    x = torch.rand(3, 4, 6)
+    eps = torch.randn(3, 4, 2)
+    got = mod(x, eps)
+    want = reference.VAE.forward(mod, x, eps)
+    for g, w in zip(got, want):
+        assert g.shape == (3, 4)
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    single = mod(x[0, 0], eps[0, 0])
+    assert all(t.shape == () for t in single)
+    torch.testing.assert_close(single[0], got[0][0, 0], **tol(torch.float32))
+
+
+def test_vae_follows_replaced_and_parametrized_weights():
+    # The forward reads parameters from the layers' dictionaries (fused_ops/nn.py);
+    # a replaced Parameter and a parametrized weight (a property, no longer in
+    # the dictionary) must be what it computes with, as the reference's layers do.
+    torch.manual_seed(0)
+    mod = fused_ops.nn.VAE(6, 5, 2)
+    x, eps = torch.rand(3, 6), torch.randn(3, 2)
+    mod.decoder[0].bias = nn.Parameter(torch.randn(5))
+    nn.utils.parametrize.register_parametrization(mod.fc_mu, "weight", Doubled())
+    want = reference.VAE.forward(mod, x, eps)
+    for g, w in zip(mod(x, eps), want):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    nn.utils.parametrize.remove_parametrizations(mod.fc_mu, "weight", leave_parametrized=False)
+    assert not torch.allclose(mod(x, eps)[2], want[2])
+
+
+def test_vae_from_reference_shares_parameters():
+    ref = UserVAE(12, 8, 3)
+    mod = fused_ops.nn.VAE.from_reference(ref)
+    assert mod.encoder[0].weight is ref.encoder[0].weight
+    assert mod.decoder[2].bias is ref.decoder[2].bias
+    with torch.no_grad():
+        ref.fc_mu.bias.add_(1.0)
+    x, eps = torch.rand(4, 12), torch.randn(4, 3)
+    for g, w in zip(mod(x, eps), ref(x, eps)):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+
+
+def test_vae_convert_model_tree():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.Linear(4, 4)
+            self.vae = UserVAE(10, 8, 3)
+            self.decoy = TanhVAE(10, 8, 3)
+            self.sampler = reference.ImportanceSampler(4, 2)
+
+    model = Model()
+    vae = model.vae
+    x, eps = torch.rand(5, 10), torch.randn(5, 3)
+    want = vae(x, eps)
+    fused_ops.nn.convert(model)
+    assert isinstance(model.vae, fused_ops.nn.VAE)
+    assert isinstance(model.sampler, fused_ops.nn.ImportanceSampler)
+    assert type(model.decoy) is TanhVAE
+    assert model.vae.fc_logvar.weight is vae.fc_logvar.weight
+    for g, w in zip(model.vae(x, eps), want):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+    assert isinstance(fused_ops.nn.convert(reference.VAE(5, 4, 2)), fused_ops.nn.VAE)
+
+
+@requires_cuda
+def test_vae_cuda_seeded():
+    ref = reference.VAE(784, 256, 32).cuda()
+    mod = fused_ops.nn.VAE.from_reference(ref)
+    x = torch.rand(128, 784, device="cuda")
+    torch.manual_seed(7)
+    want = ref(x)
+    torch.manual_seed(7)
+    got = mod(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol(torch.float32))
+
+
+# ---------------------------------------------------------------------------
+# Every module
+# ---------------------------------------------------------------------------
+
+# (id, reference class, fused class, constructor arguments)
+MODULES = [
+    ("ImportanceSampler-D1-K1", reference.ImportanceSampler, ImportanceSampler, (1, 1)),
+    ("ImportanceSampler-D16-K3", reference.ImportanceSampler, ImportanceSampler, (16, 3)),
+    ("ImportanceSampler-D33-K8", reference.ImportanceSampler, ImportanceSampler, (33, 8)),
+    ("FlowODE-D6-S4", reference.FlowODE, fused_ops.nn.FlowODE, (6, 4)),
+    ("VAE-20-16-4", reference.VAE, fused_ops.nn.VAE, (20, 16, 4)),
+    ("VAE-784-256-32", reference.VAE, fused_ops.nn.VAE, (784, 256, 32)),
+]
+
+
+@pytest.mark.parametrize("ref_cls,fused_cls,ctor", [pytest.param(*m[1:], id=m[0]) for m in MODULES])
+def test_construction_under_one_seed_equals_reference(ref_cls, fused_cls, ctor, seed):
+    torch.manual_seed(seed)
+    ref = ref_cls(*ctor)
+    after_ref = torch.rand(8)  # the generator state construction left behind
+    torch.manual_seed(seed)
+    fused = fused_cls(*ctor)
+    assert torch.equal(torch.rand(8), after_ref), "construction consumed different random numbers"
+    ref_sd, fused_sd = ref.state_dict(), fused.state_dict()
+    assert list(fused_sd) == list(ref_sd)
+    for name in ref_sd:
+        r, f = ref_sd[name], fused_sd[name]
+        assert f.dtype == r.dtype and f.shape == r.shape, name
+        assert torch.equal(f, r), name
+    fused.load_state_dict(ref_sd, strict=True)
+    ref.load_state_dict(fused_sd, strict=True)
+
+
+NON_MATCHING = {
+    **{f"ImportanceSampler-{k}": (ImportanceSampler, make, None) for k, make in SAMPLER_NON_MATCHING.items()},
+    **{f"FlowODE-{k}": (fused_ops.nn.FlowODE, lambda c=c: c(4, 3), "flow-ODE reference module")
+       for k, c in FLOW_NON_MATCHING.items()},
+    **{f"VAE-{c.__name__}": (fused_ops.nn.VAE, lambda c=c: c(6, 5, 2), "not a VAE reference module")
+       for c in (TanhVAE, WrongShapeVAE, NoBiasVAE, ExtraVAE)},
+}
+
+
+@pytest.mark.parametrize("kind", list(NON_MATCHING))
+def test_from_reference_rejects_non_matching(kind):
+    fused_cls, make, message = NON_MATCHING[kind]
+    module = make()
+    assert not fused_cls.matches(module)
+    with pytest.raises(ValueError, match=message or type(module).__name__):
+        fused_cls.from_reference(module)
