@@ -266,7 +266,10 @@ def kernel_paths(workload: Workload, device: torch.device, train: bool) -> Dict[
         from fused_ops import _paths
     except ImportError:  # a build without the debug hook (tools/compare_builds.py)
         return {}
-    known = {op for op, dev in _paths.tables() if dev == device.type}
+    try:
+        known = {op for op, dev in _paths.tables() if dev == device.type}
+    except AttributeError:  # a build whose library has no path tables
+        return {}
     ops = [workload.op] + ([workload.op + "_backward"] if train else [])
     found = {op: _paths.last(op, device.type) for op in ops if op in known}
     return {op: path for op, path in found.items() if path is not None}
