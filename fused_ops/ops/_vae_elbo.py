@@ -44,6 +44,12 @@ def vae_elbo(
     ``b_dec2 [I]`` (``nn.Linear`` weight layout); all float32 or all float64,
     on one device (CPU or CUDA).
 
+    The targets ``x`` must be probabilities.  On the CPU a target outside
+    [0, 1] or NaN raises a RuntimeError naming ``x`` and the first such
+    element, as ``binary_cross_entropy`` raises for its target (checked in
+    the kernel's BCE loop, at no extra pass over ``x``).  CUDA does not check
+    the targets' values.
+
     Math (exactly ``fused_ops.reference.VAE``)::
 
         h      = relu(x @ w_enc.T + b_enc)
