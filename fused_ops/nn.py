@@ -59,7 +59,10 @@ def _round_to(value, dtype):
     """The Python float ``value`` rounded to ``dtype`` (float32 or float64),
     as a tensor of that dtype would hold it."""
     if dtype == torch.float32:
-        return struct.unpack("f", struct.pack("f", value))[0]
+        try:
+            return struct.unpack("f", struct.pack("f", value))[0]
+        except OverflowError:  # beyond float32's range: inf, as the tensor's cast gives
+            return math.copysign(math.inf, value)
     return value
 
 

@@ -366,6 +366,12 @@ def _load_float64_dt(offset):
     return change
 
 
+def _float64_dt_beyond_float32(m, ref):
+    # A float64 dt buffer beyond float32's range: inf in a float32 product.
+    m.dt = torch.tensor(1e39, device=m.dt.device, dtype=torch.float64)
+    ref.dt = m.dt.clone()
+
+
 FLOW_STATE_CHANGES = {
     "as_built": lambda m, ref: None,
     "num_steps": _set_num_steps,
@@ -376,6 +382,7 @@ FLOW_STATE_CHANGES = {
     "dt_inf": _fill_dt(float("inf")),
     "dt_nan": _fill_dt(float("nan")),
     "dt_replaced": _replace_dt,
+    "dt_float64_beyond_float32": _float64_dt_beyond_float32,
     "state_dict_other_dt": _load_other_dt,
     "state_dict_float64_dt": _load_float64_dt(1e-3),
     "state_dict_float64_dt_rounded": _load_float64_dt(1e-12),
