@@ -9,10 +9,13 @@ reference modules are recognised by structure (attribute names, shapes),
 never by class.
 """
 
+import math
+import struct
+
 import torch
 from torch import nn
 
-from . import ops, reference
+from . import _eager, ops, reference
 
 __all__ = ["ImportanceSampler", "FlowODE", "VAE", "convert"]
 
@@ -50,6 +53,23 @@ def _submodules(module, paths):
 
 def _buffers_of(module, names):
     return [_entry(module, "_buffers", name) for name in names]
+
+
+def _round_to(value, dtype):
+    """The Python float ``value`` rounded to ``dtype`` (float32 or float64),
+    as a tensor of that dtype would hold it."""
+    if dtype == torch.float32:
+        try:
+            return struct.unpack("f", struct.pack("f", value))[0]
+        except OverflowError:  # beyond float32's range: inf, as the tensor's cast gives
+            return math.copysign(math.inf, value)
+    return value
+
+
+def _transforms_active():
+    """Whether a torch.func transform is active (a tensor's value cannot be
+    read then); True when the private test is unavailable."""
+    return not _eager.enabled or torch._C._are_functorch_transforms_active()
 
 
 def _linear_params(linears):
@@ -128,17 +148,78 @@ class FlowODE(reference.FlowODE):
     creation order and, under one seed, values are the reference's.
     ``forward(x0 [B, D]) -> x [B, D]``.
 
-    The step size is ``1 / num_steps`` in the input's dtype; the ``dt`` buffer
-    is kept for checkpoint compatibility.  (The reference's buffer is created in
-    float32, so a reference module converted to float64 steps with
-    ``float64(float32(1 / num_steps))``; the fused one with the float64 value.)
+    It computes what the reference module computes from its state at the
+    call: ``num_steps`` steps at times ``t = (k + 0.5) / num_steps``, each
+    ``x = x + dt * v`` with the ``dt`` buffer (in x0's dtype, as the
+    reference's product rounds it) -- also after ``num_steps`` or ``dt`` is
+    edited or a checkpoint with another ``dt`` is loaded.
+
+    The fused op steps with ``1 / num_steps`` rounded to x0's dtype.  When
+    ``dt`` is exactly that (a module as constructed, or loaded from a
+    checkpoint with the same ``num_steps``, in float32), the op runs as it
+    is.  Otherwise (edited ``num_steps`` or ``dt``, a float64 module, whose
+    ``dt`` buffer holds the float32 rounding of ``1 / num_steps``) the last
+    layer's weight and bias go to the op scaled by ``dt * num_steps``, so
+    that its step ``(1 / num_steps) * v_scaled`` is ``dt * v`` up to
+    rounding (a few units in the last place of the step; two small products
+    more per call, differentiable, also in ``dt``).  A non-finite ``dt`` runs
+    the reference's own loop on the module's layers.
+
+    Which case applies is decided on the host: a ``dt`` on the CPU is read
+    at every call; one on a GPU is read (one synchronisation) only when it
+    may have changed -- another tensor, a new version of it (in-place
+    writes, ``load_state_dict``), another ``num_steps`` or input dtype.  A
+    write that PyTorch does not version (through ``.data``, or a NumPy or
+    DLPack view) is not seen: change ``dt`` in place or through
+    ``load_state_dict``.  Under ``torch.compile`` (and ``torch.export``),
+    ``torch.func`` transforms, or when ``dt`` requires grad (or is on the
+    ``meta`` device), nothing is read:
+    the scale is computed on the device at every call (exactly 1 when ``dt``
+    is the op's step, so the results are the unscaled op's bitwise; a
+    non-finite ``dt`` then gives NaN where the reference may give inf).
     """
 
     _linear_paths = (("velocity", "0"), ("velocity", "2"), ("velocity", "4"))
 
     def forward(self, x0):
         weights = _linear_params(_submodules(self, self._linear_paths))
-        return ops.flow_euler(x0, *weights, self.num_steps)
+        num_steps = self.num_steps
+        dt = _entry(self, "_buffers", "dt")
+        op_dt = 1.0 / num_steps if isinstance(num_steps, int) else None
+        if op_dt is None:  # let the op name the bad num_steps
+            return ops.flow_euler(x0, *weights, num_steps)
+        # dt in x0's dtype; the cast only where it changes something: an
+        # exported graph would otherwise assert dt's device.
+        dt_x = dt if dt.dtype == x0.dtype else dt.to(x0.dtype)
+        if torch.compiler.is_compiling() or dt.requires_grad or dt.is_meta or _transforms_active():
+            scale = torch.where(dt_x == op_dt, 1.0, dt_x / op_dt)
+            weights[4], weights[5] = weights[4] * scale, weights[5] * scale
+            return ops.flow_euler(x0, *weights, num_steps)
+        step = self._dt_on_host(dt, num_steps, x0.dtype)
+        if step == _round_to(op_dt, x0.dtype):
+            return ops.flow_euler(x0, *weights, num_steps)
+        if not math.isfinite(step):
+            return reference.FlowODE.forward(self, x0)
+        scale = dt_x / op_dt
+        weights[4], weights[5] = weights[4] * scale, weights[5] * scale
+        return ops.flow_euler(x0, *weights, num_steps)
+
+    def _dt_on_host(self, dt, num_steps, dtype):
+        """``dt`` rounded to ``dtype``, as a Python float: read from a CPU
+        tensor every call, from a GPU tensor only when it may have changed
+        (see the class docstring)."""
+        if dt.is_cpu:
+            return _round_to(float(dt), dtype)
+        try:
+            key = (dt._version, num_steps, dtype)
+        except RuntimeError:  # an inference tensor has no version counter
+            return _round_to(float(dt), dtype)
+        cached = self.__dict__.get("_dt_host")
+        if cached is not None and cached[0] is dt and cached[1] == key:
+            return cached[2]
+        step = _round_to(float(dt), dtype)
+        self.__dict__["_dt_host"] = (dt, key, step)
+        return step
 
     def extra_repr(self):
         l1 = self.velocity[0]

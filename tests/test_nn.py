@@ -329,6 +329,154 @@ def test_flow_convert_model_tree(device):
     torch.testing.assert_close(converted(x), want, **tol(torch.float32))
 
 
+# The reference module steps with its own dt buffer and num_steps as they
+# are at the call; the fused one must too, after any change of either.
+def _set_num_steps(m, ref):
+    m.num_steps = ref.num_steps = 5
+
+
+def _fill_dt(value):
+    def change(m, ref):
+        with torch.no_grad():
+            m.dt.fill_(value)
+            ref.dt.fill_(value)
+    return change
+
+
+def _replace_dt(m, ref):
+    m.dt = torch.tensor(0.02, device=m.dt.device, dtype=m.dt.dtype)
+    ref.dt = m.dt.clone()
+
+
+def _load_other_dt(m, ref):
+    # A checkpoint of a module built with 11 steps: dt = 1/11, num_steps stays.
+    sd = reference.FlowODE(6, 11).to(device=m.dt.device, dtype=m.dt.dtype).state_dict()
+    m.load_state_dict(sd)
+    ref.load_state_dict(sd)
+
+
+def _load_float64_dt(offset):
+    # dt given as a float64 tensor (load_state_dict copies it into the
+    # module's buffer, of the module's dtype).  With a tiny offset a float32
+    # module's dt is the op's step again.
+    def change(m, ref):
+        sd = dict(m.state_dict(), dt=torch.tensor(1.0 / 7.0 + offset, dtype=torch.float64))
+        m.load_state_dict(sd)
+        ref.load_state_dict(sd)
+    return change
+
+
+def _float64_dt_beyond_float32(m, ref):
+    # A float64 dt buffer beyond float32's range: inf in a float32 product.
+    m.dt = torch.tensor(1e39, device=m.dt.device, dtype=torch.float64)
+    ref.dt = m.dt.clone()
+
+
+FLOW_STATE_CHANGES = {
+    "as_built": lambda m, ref: None,
+    "num_steps": _set_num_steps,
+    "num_steps_and_dt": lambda m, ref: (_set_num_steps(m, ref), _fill_dt(0.3)(m, ref)),
+    "dt": _fill_dt(0.37 / 7),
+    "dt_zero": _fill_dt(0.0),
+    "dt_negative": _fill_dt(-0.1),
+    "dt_inf": _fill_dt(float("inf")),
+    "dt_nan": _fill_dt(float("nan")),
+    "dt_replaced": _replace_dt,
+    "dt_float64_beyond_float32": _float64_dt_beyond_float32,
+    "state_dict_other_dt": _load_other_dt,
+    "state_dict_float64_dt": _load_float64_dt(1e-3),
+    "state_dict_float64_dt_rounded": _load_float64_dt(1e-12),
+}
+# Changes after which the op stepping with 1 / num_steps is within the
+# tolerance of the reference anyway.
+FLOW_HARMLESS_CHANGES = ("as_built", "state_dict_float64_dt_rounded")
+
+
+def _flow_pair_with(dtype, device):
+    # num_steps = 7: 1/7 in float32 is not 1/7 in float64, so a float64
+    # module's dt buffer (the float32 rounding) is not the op's float64 step.
+    ref = reference.FlowODE(6, 7).to(device=device, dtype=dtype)
+    fused = fused_ops.nn.FlowODE(6, 7).to(device=device, dtype=dtype)
+    fused.load_state_dict(ref.state_dict())
+    return fused, ref
+
+
+@pytest.mark.parametrize("change", list(FLOW_STATE_CHANGES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_flow_follows_num_steps_and_dt(change, dtype, device):
+    fused, ref = _flow_pair_with(dtype, device)
+    x = torch.randn(9, 6, device=device, dtype=dtype)
+    with torch.no_grad():
+        fused(x)  # a call before the change: what it learnt of dt must not stick
+        FLOW_STATE_CHANGES[change](fused, ref)
+        want = ref(x)
+        torch.testing.assert_close(fused(x), want, equal_nan=True, **tol(dtype))
+        torch.testing.assert_close(fused(x), want, equal_nan=True, **tol(dtype))  # the repeat call
+        if change not in FLOW_HARMLESS_CHANGES:
+            # The change matters: the op stepping with 1 / num_steps is off.
+            weights = [p for layer in (fused.velocity[0], fused.velocity[2], fused.velocity[4])
+                       for p in (layer.weight, layer.bias)]
+            plain = fused_ops.flow_euler(x, *weights, fused.num_steps)
+            assert not torch.allclose(plain, want, equal_nan=True, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_flow_dt_of_the_op_runs_the_op_as_it_is(dtype, device):
+    # dt equal to the op's step (float32 as built; float64 with a power-of-two
+    # num_steps): the unscaled op, bitwise.
+    steps = 7 if dtype == torch.float32 else 8
+    fused = fused_ops.nn.FlowODE(6, steps).to(device=device, dtype=dtype)
+    x = torch.randn(9, 6, device=device, dtype=dtype)
+    weights = [p for layer in (fused.velocity[0], fused.velocity[2], fused.velocity[4])
+               for p in (layer.weight, layer.bias)]
+    assert torch.equal(fused(x), fused_ops.flow_euler(x, *weights, steps))
+
+
+@pytest.mark.parametrize("change", ["as_built", "num_steps", "dt", "state_dict_other_dt"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_flow_follows_dt_under_compile(change, dtype, device):
+    torch._dynamo.reset()
+    fused, ref = _flow_pair_with(dtype, device)
+    FLOW_STATE_CHANGES[change](fused, ref)
+    x = torch.randn(9, 6, device=device, dtype=dtype)
+    with torch.no_grad():
+        got = torch.compile(fused, fullgraph=True)(x)
+        torch.testing.assert_close(got, ref(x), **tol(dtype))
+        assert torch.equal(got, fused(x)) or change != "as_built"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_flow_trainable_dt(dtype, device):
+    # dt made a parameter: its gradient and the others' are the reference's.
+    fused, ref = _flow_pair_with(dtype, device)
+    for m in (fused, ref):
+        dt = m.dt.detach().clone() * 1.3
+        del m.dt
+        m.dt = nn.Parameter(dt)
+    x = torch.randn(9, 6, device=device, dtype=dtype)
+    got = torch.autograd.grad(fused(x).square().sum(), list(fused.parameters()))
+    want = torch.autograd.grad(ref(x).square().sum(), list(ref.parameters()))
+    assert len(got) == 7
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4 if dtype == torch.float32 else 1e-9, atol=1e-5)
+
+
+def test_flow_follows_dt_under_torch_func(device):
+    # functional_call with another dt, under grad: the reference's gradient.
+    fused, ref = _flow_pair_with(torch.float64, device)
+    x = torch.randn(9, 6, device=device, dtype=torch.float64)
+    params = dict(fused.named_parameters())
+    dt = torch.tensor(0.03, device=device, dtype=torch.float64)
+
+    def loss(module, p):
+        return torch.func.functional_call(module, {**p, "dt": dt}, (x,)).square().sum()
+
+    got = torch.func.grad(lambda p: loss(fused, p))(params)
+    want = torch.func.grad(lambda p: loss(ref, p))(dict(ref.named_parameters()))
+    for name in params:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12)
+
+
 def test_flow_backward(device):
     ref_module = reference.FlowODE(4, 3).to(device)
     fused = fused_ops.nn.FlowODE.from_reference(ref_module)

@@ -1,8 +1,10 @@
 """What only vae_elbo has (DESIGN.md section 2.3): PyTorch's BCE clamp of each
 log at -100 where float32 p saturates (logits on both sides of the edges,
 exact 0/1 targets, every CUDA path's inlined BCE), NaN propagation per row
-(the reference refuses NaN probabilities), and stream order across chained
-calls of the cluster kernel (programmatic dependent launch).
+(the reference refuses NaN probabilities), targets outside [0, 1] (an error
+on the CPU, as in the reference: every position, route and dtype), and
+stream order across chained calls of the cluster kernel (programmatic
+dependent launch).
 
 The contract it shares with the other ops (reference match, float32
 accuracy, layouts, opcheck, autograd, determinism, bad inputs, CUDA streams
@@ -14,7 +16,14 @@ import pytest
 import torch
 
 import fused_ops
-from fused_test_utils import DTYPES, make_vae_inputs as make_inputs, requires_cuda, tol
+from fused_test_utils import (
+    DTYPES,
+    check_error_names,
+    make_vae_inputs as make_inputs,
+    requires_cuda,
+    run_with_baseline_isa,
+    tol,
+)
 from op_cases import vae_reference
 
 OUT_NAMES = ("elbo", "recon", "kl")
@@ -129,20 +138,172 @@ def test_bce_at_float32_saturation(B, H, saturated, device):
 @pytest.mark.parametrize("B,H", [(4, 5), (2048, 8), (2048, 256)], ids=["B4", "B2048-tiled", "B2048-wgmma"])
 def test_nan_propagates(B, H, I, device):
     # The reference refuses NaN probabilities (BCE's range check), so the rows
-    # without NaN are compared with it and the NaN rows checked by hand.
+    # without NaN are compared with it and the NaN rows checked by hand.  A
+    # NaN target is not a probability: the CPU raises for it, as the
+    # reference does (test_invalid_target_raises_on_cpu); CUDA does not check
+    # the targets' values and gives the row NaN.
+    cuda = torch.device(device).type == "cuda"
     args = make_inputs(B, I, H, 2, device=device)
-    args[0][1, 3] = float("nan")  # a target (and through h everything) of row 1
+    if cuda:
+        args[0][1, 3] = float("nan")  # a target (and through h everything) of row 1
     args[1][2, 0] = float("nan")  # eps of row 2: z, so recon and elbo, not kl
     elbo, recon, kl = fused(*args)
-    assert torch.isnan(recon[1:3]).all() and torch.isnan(elbo[1:3]).all()
-    assert torch.isnan(kl[1]) and torch.isfinite(kl[2])
-    keep = torch.tensor([0, *range(3, B)], device=device)
+    nan_rows = [1, 2] if cuda else [2]
+    assert torch.isnan(recon[nan_rows]).all() and torch.isnan(elbo[nan_rows]).all()
+    assert torch.isfinite(kl[2]) and torch.isnan(kl[1]) == cuda
+    keep = torch.tensor([r for r in range(B) if r not in nan_rows], device=device)
     want = run_reference([args[0][keep], args[1][keep], *args[2:]])
     for g, w in zip((elbo, recon, kl), want):
         torch.testing.assert_close(g[keep], w, **tol(torch.float32))
     # kl does not depend on eps: row 2's equals the reference's with any finite eps.
     row2 = run_reference([args[0][2:3], torch.zeros_like(args[1][2:3]), *args[2:]])
     torch.testing.assert_close(kl[2:3], row2[2], **tol(torch.float32))
+
+
+# ---------------------------------------------------------------------------
+# Targets outside [0, 1]: an error on the CPU, as in the reference
+# ---------------------------------------------------------------------------
+
+TRAIN = torch.ops.fused_ops.vae_elbo_train.default
+
+
+def _cpu_routes():
+    """The CPU entry points of the forward kernel, each ``(name, call)`` with
+    ``call(args)`` running it: the op, the function without and with
+    gradients (the latter through vae_elbo_train), and the module."""
+
+    def module(args):
+        m = fused_ops.nn.VAE(args[0].shape[1], args[2].shape[0], args[4].shape[0]).to(args[0].dtype)
+        for p, a in zip(m.parameters(), args[2:]):
+            p.data = a.detach()
+        return m(args[0], eps=args[1])
+
+    def with_grad(args):
+        out = fused(*[a.detach().requires_grad_() for a in args])
+        assert "vae_elbo_train" in type(out[0].grad_fn).__name__  # the training pair ran
+        return out
+
+    return [
+        ("torch.ops", lambda args: torch.ops.fused_ops.vae_elbo(*args)),
+        ("function", lambda args: fused(*args)),
+        ("function-grad", with_grad),
+        ("train-op", lambda args: TRAIN(*args)),
+        ("module", module),
+    ]
+
+
+CPU_ROUTES = _cpu_routes()
+# B = 130: three CPU row blocks of 64, the last partial.  I = 37: the float32
+# BCE loop's vector body and its scalar tail (at either SIMD width).
+INVALID_B, INVALID_I = 130, 37
+# Positions: the first element, a vector-body element of the second block,
+# the last element (the scalar tail of the partial block).
+POSITIONS = [(0, 0), (70, 17), (INVALID_B - 1, INVALID_I - 1)]
+
+
+def _invalid_values(dtype):
+    fi = torch.finfo(dtype)
+    return {
+        "just_above_1": 1 + fi.eps,
+        "1.5": 1.5,
+        "huge": 1e30,
+        "inf": float("inf"),
+        "minus_inf": float("-inf"),
+        "nan": float("nan"),
+        "just_below_0": -fi.tiny,
+        "negative_subnormal": -fi.tiny * fi.eps,
+        "minus_1": -1.0,
+    }
+
+
+# Logits: as drawn (the float32 loop's all-vector route), saturated in every
+# fifth column (vectors with a |logit| > 87 take the scalar libm route, the
+# others the vector one), or saturated everywhere (the scalar route only).
+LOGITS = {
+    "drawn": None,
+    "some_saturated": lambda b: b[::5].fill_(100.0),
+    "all_saturated": lambda b: b.copy_(torch.tensor([100.0, -100.0], dtype=b.dtype).repeat(b.shape[0])[: b.shape[0]]),
+}
+
+
+def _invalid_target_args(dtype, logits, position, value):
+    args = make_inputs(INVALID_B, INVALID_I, 8, 3, dtype=dtype)
+    if LOGITS[logits] is not None:
+        args[10].zero_()
+        LOGITS[logits](args[11])
+    args[0][position] = value
+    return args
+
+
+@pytest.mark.parametrize("route,call", CPU_ROUTES, ids=[r for r, _ in CPU_ROUTES])
+@pytest.mark.parametrize("logits", list(LOGITS))
+@pytest.mark.parametrize("position", POSITIONS, ids=lambda p: f"x{p[0]}-{p[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_invalid_target_raises_on_cpu(dtype, position, logits, route, call):
+    # binary_cross_entropy raises for a target outside [0, 1] or NaN; the CPU
+    # kernel checks the targets in its BCE loop and raises too, naming x and
+    # the first offending element, rather than returning a finite loss.
+    for name, value in _invalid_values(dtype).items():
+        args = _invalid_target_args(dtype, logits, position, value)
+        with pytest.raises(RuntimeError, match="should be between 0 and 1"):  # target (or p, NaN from x)
+            run_reference(args)
+        with pytest.raises(RuntimeError) as excinfo:
+            call(args)
+        check_error_names(excinfo, "x", r"\[0, 1\]")
+        assert f"x[{position[0]}, {position[1]}] = " in str(excinfo.value), (name, str(excinfo.value))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_invalid_target_names_the_first_one(dtype):
+    # Several invalid targets, in different row blocks: the message names the
+    # first in row-major order, whichever thread's block flagged one first.
+    args = make_inputs(INVALID_B, INVALID_I, 8, 3, dtype=dtype)
+    args[0][129, 0] = 2.0
+    args[0][65, 30] = -1.0
+    args[0][65, 31] = float("nan")
+    for threads in (1, 2):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with pytest.raises(RuntimeError, match=r"x\[65, 30\] = -1\b"):
+                fused(*args)
+        finally:
+            torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_boundary_targets_are_valid(dtype):
+    # 0, -0.0 and 1 are probabilities: accepted, and the losses the reference's.
+    args = make_inputs(INVALID_B, INVALID_I, 8, 3, dtype=dtype)
+    args[0][::3] = 0.0
+    args[0][1::3] = -0.0
+    args[0][2::3] = 1.0
+    for (name, call) in CPU_ROUTES:
+        got = call(args)
+        for out, g, w in zip(OUT_NAMES, got, run_reference(args)):
+            torch.testing.assert_close(g, w, **tol(dtype), msg=lambda m, n=out, r=name: f"{r} {n}: {m}")
+
+
+def test_invalid_target_raises_with_the_baseline_isa(tmp_path):
+    # The kernel's SSE2 build (16-byte lanes) checks the targets too.
+    run_with_baseline_isa(
+        tmp_path,
+        "from fused_test_utils import make_vae_inputs\n"
+        "for dt in (torch.float32, torch.float64):\n"
+        "    for saturate in (False, True):\n"
+        "        for r, c in ((0, 0), (70, 17), (129, 36)):\n"
+        "            for v in (1.5, -1e-30, float('nan'), float('inf')):\n"
+        "                args = make_vae_inputs(130, 37, 8, 3, dtype=dt)\n"
+        "                if saturate:\n"
+        "                    args[10].zero_(); args[11][::5] = 100.0\n"
+        "                args[0][r, c] = v\n"
+        "                try:\n"
+        "                    fused_ops.vae_elbo(*args)\n"
+        "                except RuntimeError as e:\n"
+        "                    assert f'x[{r}, {c}] = ' in str(e), str(e)\n"
+        "                else:\n"
+        "                    raise AssertionError(f'no error for x[{r}, {c}] = {v} ({dt})')",
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -44,6 +44,12 @@ def vae_elbo(
     ``b_dec2 [I]`` (``nn.Linear`` weight layout); all float32 or all float64,
     on one device (CPU or CUDA).
 
+    The targets ``x`` must be probabilities.  On the CPU a target outside
+    [0, 1] or NaN raises a RuntimeError naming ``x`` and the first such
+    element, as ``binary_cross_entropy`` raises for its target (checked in
+    the kernel's BCE loop, at no extra pass over ``x``).  CUDA does not check
+    the targets' values.
+
     Math (exactly ``fused_ops.reference.VAE``)::
 
         h      = relu(x @ w_enc.T + b_enc)
@@ -80,14 +86,29 @@ def vae_elbo(
     ``fused_ops::vae_elbo_train_backward``; the results are the same.  Double
     backward and forward-mode AD (``torch.func.jvp``, dual tensors) are not
     supported (RuntimeErrors).
+
+    Graphs: ``vae_elbo_train`` has a CPU kernel only, so a graph recorded
+    to run elsewhere -- ``torch.export`` (and AOTInductor, which builds on
+    it) and ``torch.jit.trace`` -- records ``fused_ops::vae_elbo`` with its
+    registered autograd instead, as the call would on CUDA: a program
+    exported on the CPU runs on CUDA.  ``torch.compile`` keeps the training
+    pair on the CPU: its graphs are specialised to the device they were
+    compiled for.
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
-    if x.is_cpu and _eager.needs_grad(args):
+    if x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)  # names the public op
         elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args)
         return elbo, recon, kl
     return _eager.call(_OP, args)
+
+
+def _recording_a_portable_graph() -> bool:
+    """Whether this call is being recorded into a graph that may later run
+    on another device (torch.export, torch.jit.trace), which must then hold
+    the portable ``vae_elbo`` rather than the CPU-only training pair."""
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
 @torch.library.register_fake("fused_ops::vae_elbo")

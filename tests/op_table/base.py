@@ -54,13 +54,17 @@ class Accuracy:
 @dataclass(frozen=True)
 class Bad:
     """A broken call: ``modify(args) -> args``; the error must name ``arg`` and
-    match ``expected``.  ``scalars`` replaces the op's scalar arguments."""
+    match ``expected``.  ``scalars`` replaces the op's scalar arguments.
+    ``cpu_only``: an error only the CPU kernel raises (a check of the
+    values, which CUDA does not make: it would cost a host synchronisation
+    per call)."""
 
     id: str
     modify: Callable
     arg: str
     expected: str
     scalars: Optional[tuple] = None
+    cpu_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,21 @@
 // leaves the polynomial's range (|a| > 87, where p may be denormal) take the
 // scalar libm route, so saturated and denormal probabilities clamp exactly as
 // PyTorch's do.
+//
+// The targets must be probabilities, x in [0, 1], as binary_cross_entropy
+// requires of its target: the BCE loop checks each element as it reads it
+// (NaN fails the check) and the call raises, naming the first offending
+// element, instead of returning a finite number for an invalid target.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iomanip>
+#include <limits>
+#include <sstream>
 #include <vector>
 
 #include "common/bce.h"
@@ -46,7 +55,16 @@ struct Args {
   int64_t B, I, H, L;
   T *elbo, *recon, *kl;
   T* saved;  // vae_elbo_train: the activations, laid out as VaeSavedLayout; else nullptr
+  uint8_t* bad_target;  // [blocks]: set to 1 for a block with a target outside [0, 1] or NaN
 };
+
+// Whether a target is a probability: 0 <= v <= 1, false for NaN (the
+// comparisons binary_cross_entropy's target check makes).  Non-short-circuit
+// & so that the loops stay branch-free.
+template <typename T>
+FUSED_OPS_INLINE bool is_probability(T v) {
+  return (v >= T(0)) & (v <= T(1));
+}
 
 // out[r, j] = in[r, :] . w[j, :] for r < rows, j < n (row-major, w is [n, k]),
 // through torch's BLAS on views of the raw buffers (common/matmul.h).
@@ -55,19 +73,29 @@ void linear_nobias(const T* in, const T* w, T* out, int64_t rows, int64_t n, int
   linear_nt(in, k, w, k, out, n, rows, n, k);
 }
 
-// Sum over one row of BCE(sigmoid(a[i]), x[i]).
+// Sum over one row of BCE(sigmoid(a[i]), x[i]); `ok` is cleared when a
+// target x[i] is not a probability (is_probability), checked in the same loop.
 template <typename T, int VB>
-FUSED_OPS_INLINE double bce_row(const T* a, const T* x, int64_t I) {
+FUSED_OPS_INLINE double bce_row(const T* a, const T* x, int64_t I, bool& ok) {
   if constexpr (!std::is_same_v<T, float>) {
     double s = 0;
-    for (int64_t i = 0; i < I; ++i) s += bce_term(a[i], x[i]);
+    bool row_ok = true;
+    for (int64_t i = 0; i < I; ++i) {
+      s += bce_term(a[i], x[i]);
+      row_ok &= is_probability(x[i]);
+    }
+    ok &= row_ok;
     return s;
   } else {
     using V = cpu::Lanes<float, VB>;
+    using M = decltype(V{} < V{});  // lane masks: -1 true, 0 false
     constexpr int NL = cpu::kLanes<float, VB>;
     V acc0 = {}, acc1 = {};
+    M valid = M{} - 1;  // all lanes true
+    bool tail_ok = true;
     double tail = 0;
     auto body = [&](const V& av, const V& xv, V& acc) {
+      valid &= (xv >= 0.0f) & (xv <= 1.0f);
       const V e = cpu::exp(V{} - av);
       const V p = 1.0f / (1.0f + e);
       V lp = cpu::log(p);
@@ -106,16 +134,24 @@ FUSED_OPS_INLINE double bce_row(const T* a, const T* x, int64_t I) {
         bool big = false;
         for (int j = 0; j < NL; ++j) big |= !(av[j] >= -87.0f && av[j] <= 87.0f);
         if (big) {
-          for (int j = 0; j < NL; ++j) tail += bce_term(a[i + j], x[i + j]);
+          for (int j = 0; j < NL; ++j) {
+            tail += bce_term(a[i + j], x[i + j]);
+            tail_ok &= is_probability(x[i + j]);
+          }
         } else {
           body(av, cpu::load_lanes<V>(x + i), acc0);
         }
       }
     }
-    for (; i < I; ++i) tail += bce_term(a[i], x[i]);
+    for (; i < I; ++i) {
+      tail += bce_term(a[i], x[i]);
+      tail_ok &= is_probability(x[i]);
+    }
     const V acc = acc0 + acc1;
     double s = tail;
     for (int j = 0; j < NL; ++j) s += double(acc[j]);
+    for (int j = 0; j < NL; ++j) tail_ok &= valid[j] != 0;
+    ok &= tail_ok;
     return s;
   }
 }
@@ -190,13 +226,15 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
     linear_nobias(z.data(), a.w_dec1, g.data(), rows, H, L);
     bias_relu(g.data(), a.b_dec1, rows, H);
     linear_nobias(g.data(), a.w_dec2, logits.data(), rows, I, H);
+    bool targets_ok = true;
     for (int64_t r = 0; r < rows; ++r) {
       T* lr = logits.data() + r * I;
       for (int64_t i = 0; i < I; ++i) lr[i] += a.b_dec2[i];
-      const T recon = T(bce_row<T, VB>(lr, x + r * I, I));
+      const T recon = T(bce_row<T, VB>(lr, x + r * I, I, targets_ok));
       a.recon[r0 + r] = recon;
       a.elbo[r0 + r] = -(recon + a.kl[r0 + r]);
     }
+    if (!targets_ok) a.bad_target[c] = 1;
     if (a.saved) {
       // Copied out after the block rather than computed in place: the BLAS
       // then sees the same buffers as for vae_elbo, so the losses are
@@ -223,9 +261,29 @@ FUSED_OPS_TARGET_AVX2 void block_range_avx2(const Args<T>& a, int64_t c0, int64_
 }
 #endif
 
+// Raises for the first target (in row-major order) that is not a
+// probability, in the first block the kernel flagged.
+template <typename T>
+void raise_for_bad_target(const VaeElboCall& c, const std::vector<uint8_t>& bad_target) {
+  const auto block = std::find(bad_target.begin(), bad_target.end(), uint8_t(1));
+  if (block == bad_target.end()) return;
+  const T* x = cdata<T>(c.x);
+  const int64_t begin = (block - bad_target.begin()) * kRows * c.I;
+  const int64_t end = std::min(c.B * c.I, begin + kRows * c.I);
+  int64_t k = begin;
+  while (k < end - 1 && is_probability(x[k])) ++k;
+  std::ostringstream value;
+  value << std::setprecision(std::numeric_limits<T>::max_digits10) << x[k];
+  FUSED_OPS_CHECK(false, "x must hold binary cross-entropy targets in [0, 1] (the range "
+                  "torch.nn.functional.binary_cross_entropy requires of its target), got x[",
+                  k / c.I, ", ", k % c.I, "] = ", value.str());
+}
+
 template <typename T>
 void vae_elbo_kernel(const VaeElboCall& c, T* saved = nullptr) {
   if (c.B == 0) return;
+  const int64_t blocks = (c.B + kRows - 1) / kRows;
+  std::vector<uint8_t> bad_target(blocks, 0);
   const int64_t H = c.H, L = c.L;
   // mu and logvar in one product: their weights stacked as [2L, H].
   std::vector<T> w_mulv(2 * L * H), b_mulv(2 * L);
@@ -237,13 +295,13 @@ void vae_elbo_kernel(const VaeElboCall& c, T* saved = nullptr) {
                   w_mulv.data(),      b_mulv.data(),      cdata<T>(c.w_dec1), cdata<T>(c.b_dec1),
                   cdata<T>(c.w_dec2), cdata<T>(c.b_dec2), c.B,               c.I,
                   c.H,                c.L,                mdata<T>(c.elbo),  mdata<T>(c.recon),
-                  mdata<T>(c.kl),     saved};
+                  mdata<T>(c.kl),     saved,             bad_target.data()};
   auto* range = &block_range_baseline<T>;
 #if FUSED_OPS_HAVE_AVX2_CLONE
   if (cpu::cpu_has_avx2()) range = &block_range_avx2<T>;
 #endif
-  const int64_t blocks = (c.B + kRows - 1) / kRows;
   torch::stable::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) { range(a, c0, c1); });
+  raise_for_bad_target<T>(c, bad_target);
 }
 
 VaeElboResult vae_elbo_cpu(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
