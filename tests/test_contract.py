@@ -478,3 +478,22 @@ def test_cpu_baseline_isa_matches_reference(case, tmp_path):
         "        for g, w in zip(case.fused(args, size), case.ref(args, size)):\n"
         "            torch.testing.assert_close(g, w, atol=tol, rtol=tol)",
     )
+
+
+@pytest.mark.parametrize("case", each_op())
+def test_export_reports_bad_shape_at_trace_time(case):
+    # torch.export traces with fake tensors: a shape mistake is reported
+    # while tracing, with the CPU kernel's message, not first at run time.
+    size = case.bad_size
+    bad = next(b for b in case.bad_inputs if b.scalars is None and "shape[" in _error_message(
+        lambda b=b: case.call(case.packet, b.modify(case.inputs(size)), size)))
+    args = bad.modify(case.inputs(size))
+    cpu = _error_message(lambda: case.call(case.packet, args, size))
+
+    class Call(torch.nn.Module):
+        def forward(self, *a):
+            return case.packet(*a, *case.scalars(size))
+
+    with pytest.raises(Exception) as excinfo:
+        torch.export.export(Call(), tuple(args))
+    assert cpu in str(excinfo.value)
