@@ -8,6 +8,9 @@
 
 namespace fused_ops {
 
+// The largest num_steps (INT_MAX).
+constexpr int64_t kMaxFlowSteps = 2147483647;
+
 struct FlowEulerSizes {
   int64_t B, D, H;
 };
@@ -16,7 +19,10 @@ inline FlowEulerSizes check_flow_euler_args(const Tensor& x0, const Tensor& w1,
                                             const Tensor& b1, const Tensor& w2,
                                             const Tensor& b2, const Tensor& w3,
                                             const Tensor& b3, int64_t num_steps) {
-  FUSED_OPS_CHECK(num_steps >= 1, "num_steps must be at least 1, got ", num_steps);
+  // One bound on both devices, forward and backward, before anything is
+  // allocated: the CUDA kernels count steps in int32.
+  FUSED_OPS_CHECK(num_steps >= 1 && num_steps <= kMaxFlowSteps,
+                  "num_steps must be at least 1 and at most 2147483647 (INT_MAX), got ", num_steps);
   check_rank(x0, "x0", 2, "[B, D]");
   check_rank(w1, "w1", 2, "[H, D + 1]");
   check_rank(b1, "b1", 1, "[H]");

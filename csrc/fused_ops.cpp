@@ -1,7 +1,10 @@
 // \brief The schema of every fused_ops operator, in one place.  Kernels register
 // against these names from cpu/<op>/*.cpp and cuda/<op>/*.cu with
 // STABLE_TORCH_LIBRARY_IMPL; fake (meta) implementations and autograd live in
-// Python (fused_ops/<op>.py).
+// Python (fused_ops/ops/_<op>.py).  The fakes apply the argument checks of
+// the C++ call set-up (csrc/<op>.h) with the same messages
+// (fused_ops/ops/_checks.py); they also run for a call with only some inputs
+// on the meta device, which they refuse by name.
 
 #include <Python.h>
 #include <torch/csrc/stable/library.h>

@@ -277,6 +277,91 @@ def test_bad_inputs(case, entry, bad, device):
     check_error_names(excinfo, bad.arg, bad.expected)
 
 
+def _meta(args):
+    return [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _error_message(fn):
+    with pytest.raises((RuntimeError, ValueError)) as excinfo:
+        fn()
+    return str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "case,entry,bad",
+    params(lambda c: [(f"{b.id}-{eid}", fn, b) for b in c.bad_inputs for eid, fn in entries(c)]),
+)
+def test_bad_inputs_meta(case, entry, bad):
+    # The fakes (fused_ops/ops/_checks.py) state the C++ checks again, for
+    # meta and fake tensors: every bad-input row must fail on meta tensors
+    # with exactly the message the CPU kernel's checks give, so that the two
+    # sets of rules cannot drift apart.
+    size = case.bad_size
+    args = bad.modify(case.inputs(size))
+    cpu = _error_message(lambda: case.call(entry, args, size, bad.scalars))
+    meta = _error_message(lambda: case.call(entry, _meta(args), size, bad.scalars))
+    assert meta == cpu
+
+
+@pytest.mark.parametrize(
+    "case,entry,arg",
+    params(lambda c: [(f"{n}-{eid}", fn, i) for i, n in enumerate(c.arg_names) for eid, fn in entries(c)]),
+)
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "requires_grad"])
+def test_none_argument(case, entry, arg, requires_grad, device):
+    # None for a tensor: the error names the argument and says what was
+    # expected (not an empty tensor's "got shape [0]", nor an AttributeError
+    # or a C shim failure), on the real device and on meta alike.
+    size = case.bad_size
+    args = case.inputs(size, device=device, requires_grad=requires_grad)
+    args[arg] = None
+    with pytest.raises(RuntimeError) as excinfo:
+        case.call(entry, args, size)
+        sync(device)
+    name = case.arg_names[arg]
+    check_error_names(excinfo, name, r"must be a \d-D tensor .*, got None$")
+    with pytest.raises(RuntimeError, match=r"got None$"):
+        case.call(entry, _meta(args), size)
+
+
+@pytest.mark.parametrize(
+    "case,entry,arg",
+    params(lambda c: [(f"{n}-{eid}", fn, i) for i, n in enumerate(c.arg_names) for eid, fn in entries(c)]),
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_meta_among_real_tensors(case, entry, arg, dtype, device):
+    # One input on meta, the others real: the dispatcher runs the fake (the
+    # Meta kernel) for such a call, which must refuse it by name rather than
+    # return uninitialised memory on the first input's device (or, for a
+    # meta first input, meta outputs).  When the first input is the meta one
+    # it sets the expected device, and the second is named.
+    size = case.bad_size
+    args = case.inputs(size, dtype=dtype, device=device)
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(RuntimeError) as excinfo:
+        case.call(entry, args, size)
+        sync(device)
+    check_error_names(excinfo, case.arg_names[arg if arg else 1], r"must be on the same device as .*\bmeta\b")
+
+
+@pytest.mark.parametrize("case", each_op())
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_meta_shapes_checked(case, dtype):
+    # All inputs on meta (shapes only, as under the fake): a valid call gives
+    # outputs of the right shapes; a wrong shape or an integer dtype raises
+    # as on the CPU (every row: test_bad_inputs_meta).
+    size = case.meta_size
+    out = case.fused(case.inputs(size, dtype=dtype, device="meta"), size)
+    check_meta(case, out, size, dtype, "meta")
+    args = [a.long() for a in case.inputs(size, dtype=dtype, device="meta")]
+    with pytest.raises(RuntimeError, match=rf"{case.arg_names[0]} must be float32 or float64, got int64"):
+        case.fused(args, size)
+    args = case.inputs(size, dtype=dtype, device="meta")
+    args[-1] = args[-1][:-1]
+    with pytest.raises(RuntimeError, match=rf"{case.arg_names[-1]}\.shape\[0\] must be"):
+        case.fused(args, size)
+
+
 @requires_cuda
 @pytest.mark.parametrize(
     "case,entry,cpu_arg",
@@ -395,3 +480,22 @@ def test_cpu_baseline_isa_matches_reference(case, tmp_path):
         "        for g, w in zip(case.fused(args, size), case.ref(args, size)):\n"
         "            torch.testing.assert_close(g, w, atol=tol, rtol=tol)",
     )
+
+
+@pytest.mark.parametrize("case", each_op())
+def test_export_reports_bad_shape_at_trace_time(case):
+    # torch.export traces with fake tensors: a shape mistake is reported
+    # while tracing, with the CPU kernel's message, not first at run time.
+    size = case.bad_size
+    bad = next(b for b in case.bad_inputs if b.scalars is None and "shape[" in _error_message(
+        lambda b=b: case.call(case.packet, b.modify(case.inputs(size)), size)))
+    args = bad.modify(case.inputs(size))
+    cpu = _error_message(lambda: case.call(case.packet, args, size))
+
+    class Call(torch.nn.Module):
+        def forward(self, *a):
+            return case.packet(*a, *case.scalars(size))
+
+    with pytest.raises(Exception) as excinfo:
+        torch.export.export(Call(), tuple(args))
+    assert cpu in str(excinfo.value)

@@ -263,6 +263,18 @@ def test_backward_op_bad_inputs(case, bad, device):
         sync(device)
 
 
+@pytest.mark.parametrize("case,bad", params(lambda c: [(b.id, b) for b in c.bwd_bad if not b.cuda_only]))
+def test_backward_op_bad_inputs_meta(case, bad):
+    # The backward's fake states the C++ checks again: on meta tensors every
+    # row fails with the CPU kernel's message, word for word.
+    a = bad.modify(case.bwd_args(case, case.bwd_bad_size, F32, "cpu"))
+    with pytest.raises(RuntimeError) as cpu:
+        case.bwd_call(a)
+    with pytest.raises(RuntimeError) as meta:
+        case.bwd_call(tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in a))
+    assert str(meta.value) == str(cpu.value)
+
+
 @pytest.mark.parametrize("case", each_op("bwd_linearity_size"))
 def test_backward_op_linear_in_upstream(case, device):
     # The backward is linear in the upstream gradients: the gradients for a

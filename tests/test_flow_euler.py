@@ -8,10 +8,13 @@ determinism, bad inputs, CUDA streams and graphs) is test_contract.py's,
 over op_cases.FLOW_EULER; the kernel paths by name are test_cuda_paths.py's.
 """
 
+import pytest
 import torch
 
+import fused_ops
 from fused_ops import reference
 from fused_test_utils import make_flow_args
+from op_cases import CASES
 
 OP = torch.ops.fused_ops.flow_euler.default
 
@@ -33,3 +36,17 @@ def test_nan_propagates_per_row(device):
     ok = torch.ones(40, dtype=torch.bool)
     ok[3] = False
     assert torch.isfinite(got[ok]).all()
+
+
+@pytest.mark.parametrize("steps", [True, False])
+def test_bool_num_steps_refused(steps, device):
+    # A bool is an int to Python and to the schema (True would run one step):
+    # the Python functions refuse it, forward and backward.
+    case = CASES["flow_euler"]
+    size = (3, 4, 9, 2)
+    args = case.inputs(size, device=device)
+    with pytest.raises(TypeError, match=rf"num_steps must be an int .*got the bool {steps}"):
+        fused_ops.flow_euler(*args, steps)
+    grad_x = torch.ones_like(args[0])
+    with pytest.raises(TypeError, match=rf"num_steps must be an int .*got the bool {steps}"):
+        fused_ops.ops.flow_euler_backward(grad_x, *args, steps)

@@ -74,7 +74,11 @@ inline const char* dtype_str(ScalarType dtype) {
   }
 }
 
+// Every op checks each tensor's rank first, so this is also where a missing
+// tensor (None from Python: an undefined tensor here, which would otherwise
+// read as shape [0]) is reported, by name.
 inline void check_rank(const Tensor& t, const char* name, int64_t rank, const char* layout) {
+  FUSED_OPS_CHECK(t.defined(), name, " must be a ", rank, "-D tensor ", layout, ", got None");
   FUSED_OPS_CHECK(t.dim() == rank, name, " must be a ", rank, "-D tensor ", layout, ", got shape ",
                   shape_str(t));
 }
@@ -166,7 +170,14 @@ inline Tensor empty_like_device(const Tensor& like, std::initializer_list<int64_
                   aoti_torch_get_device_type(like.get(), &device_type) == AOTI_TORCH_SUCCESS &&
                   aoti_torch_empty_strided(ndim, shape, strides, dtype, device_type,
                                            like.get_device_index(), &out) == AOTI_TORCH_SUCCESS;
-  FUSED_OPS_CHECK(ok, "fused_ops: could not allocate an output tensor");
+  if (!ok) {
+    std::ostringstream shape;
+    shape << "[";
+    for (int64_t i = 0; i < ndim; ++i) shape << (i ? ", " : "") << sizes.begin()[i];
+    shape << "]";
+    FUSED_OPS_CHECK(false, "fused_ops: could not allocate a tensor of shape ", shape.str(), " (",
+                    dtype_str(like.scalar_type()), ", ", device_str(like), ")");
+  }
   return Tensor(out);
 }
 

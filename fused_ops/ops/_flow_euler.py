@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["flow_euler", "flow_euler_backward"]
 
@@ -36,7 +37,8 @@ def flow_euler(
     ``b2 [H]``, ``w3 [D, H]``, ``b3 [D]`` (the weights and biases of
     ``Linear(D+1, H)``, ``Linear(H, H)``, ``Linear(H, D)``, in ``nn.Linear``'s
     ``[out, in]`` layout); all float32 or all float64, on one device.  The
-    hidden width ``H`` comes from the weights.  ``num_steps >= 1``.
+    hidden width ``H`` comes from the weights.  ``num_steps`` is an int (not
+    a bool), ``1 <= num_steps <= 2**31 - 1`` on both devices.
 
     Math, with ``dt = 1 / num_steps``::
 
@@ -66,14 +68,53 @@ def flow_euler(
     there).  Double backward and forward-mode AD (``torch.func.jvp``, dual
     tensors) are not supported (clear errors).
     """
+    _check_num_steps_type(num_steps)
     return _eager.call(_OP, (x0, w1, b1, w2, b2, w3, b3), num_steps)
+
+
+# The largest num_steps, on both devices (csrc/flow_euler.h, kMaxFlowSteps).
+MAX_STEPS = 2**31 - 1
+
+
+def _check_num_steps_type(num_steps):
+    """A bool is an int to Python and to the op's schema, and would run as 0
+    or 1 steps: the Python functions refuse it (``torch.ops.fused_ops.*``
+    receives it as the int it is)."""
+    if isinstance(num_steps, bool):
+        raise TypeError(f"num_steps must be an int (the number of Euler steps), got the bool {num_steps}")
+
+
+def _check_args(x0, w1, b1, w2, b2, w3, b3, num_steps):
+    """The argument rules of csrc/flow_euler.h's check_flow_euler_args, in its
+    order and with its messages (fused_ops/ops/_checks.py); returns ``(B, D, H)``."""
+    check((num_steps >= 1) & (num_steps <= MAX_STEPS), "num_steps must be at least 1 and at most 2147483647 (INT_MAX), got ",
+          num_steps)
+    check_rank(x0, "x0", 2, "[B, D]")
+    check_rank(w1, "w1", 2, "[H, D + 1]")
+    check_rank(b1, "b1", 1, "[H]")
+    check_rank(w2, "w2", 2, "[H, H]")
+    check_rank(b2, "b2", 1, "[H]")
+    check_rank(w3, "w3", 2, "[D, H]")
+    check_rank(b3, "b3", 1, "[D]")
+    (b, d), h = x0.shape, w1.shape[0]
+    check(d >= 1, "x0 must have at least one feature (D >= 1), got shape ", shape_str(x0))
+    check(h >= 1, "w1 must have at least one hidden unit (H = w1.shape[0] >= 1), got shape ", shape_str(w1))
+    check_size(w1, "w1", 1, d + 1, "D + 1: the features of x0 plus the time t")
+    check_size(b1, "b1", 0, h, "H, the hidden width w1.shape[0]")
+    check_size(w2, "w2", 0, h, "H, the hidden width w1.shape[0]")
+    check_size(w2, "w2", 1, h, "H, the hidden width w1.shape[0]")
+    check_size(b2, "b2", 0, h, "H, the hidden width w1.shape[0]")
+    check_size(w3, "w3", 0, d, "D, the features of x0")
+    check_size(w3, "w3", 1, h, "H, the hidden width w1.shape[0]")
+    check_size(b3, "b3", 0, d, "D, the features of x0")
+    check_same_float_dtype_and_device([(x0, "x0"), (w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2"), (w3, "w3"),
+                                       (b3, "b3")])
+    return b, d, h
 
 
 @torch.library.register_fake("fused_ops::flow_euler")
 def _flow_euler_fake(x0, w1, b1, w2, b2, w3, b3, num_steps):
-    torch._check(x0.dim() == 2, lambda: f"x0 must be a 2-D tensor [B, D], got {x0.shape}")
-    torch._check(num_steps >= 1, lambda: f"num_steps must be at least 1, got {num_steps}")
-    b, d = x0.shape
+    b, d, _ = _check_args(x0, w1, b1, w2, b2, w3, b3, num_steps)
     return x0.new_empty((b, d))  # contiguous, like the kernels' output
 
 
@@ -126,16 +167,18 @@ def flow_euler_backward(
     reproducible for the same inputs on the same device.
     Not differentiable itself: double backward raises an error.
     """
+    _check_num_steps_type(num_steps)
     return _eager.call(_BACKWARD_OP, (grad_x, x0, w1, b1, w2, b2, w3, b3), num_steps)
 
 
 @torch.library.register_fake("fused_ops::flow_euler_backward")
 def _flow_euler_backward_fake(grad_x, x0, w1, b1, w2, b2, w3, b3, num_steps):
-    torch._check(x0.dim() == 2, lambda: f"x0 must be a 2-D tensor [B, D], got {x0.shape}")
-    torch._check(
-        grad_x.shape == x0.shape, lambda: f"grad_x must have the shape of x0 {x0.shape}, got {grad_x.shape}"
-    )
-    torch._check(num_steps >= 1, lambda: f"num_steps must be at least 1, got {num_steps}")
+    # csrc/flow_euler_backward.h's FlowEulerBackwardCall.
+    b, d, _ = _check_args(x0, w1, b1, w2, b2, w3, b3, num_steps)
+    check_rank(grad_x, "grad_x", 2, "[B, D], the shape of x0")
+    check(grad_x.shape[0] == b and grad_x.shape[1] == d, "grad_x must have the shape of x0 ", shape_str(x0),
+          ", got ", shape_str(grad_x))
+    check_same_float_dtype_and_device([(x0, "x0"), (grad_x, "grad_x")])
     return tuple(t.new_empty(t.shape) for t in (x0, w1, b1, w2, b2, w3, b3))
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["importance_sampling", "importance_sampling_backward"]
 
@@ -57,10 +58,36 @@ def importance_sampling(
     return _eager.call(_OP, (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
 
 
+def _check_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
+    """The argument rules of csrc/importance_sampling.h's check_importance_sampling_args,
+    in its order and with its messages (fused_ops/ops/_checks.py); returns ``(N, D, K)``."""
+    check_rank(samples, "samples", 2, "[N, D]")
+    check_rank(mix_weights, "mix_weights", 1, "[K]")
+    check_rank(mix_mus, "mix_mus", 2, "[K, D]")
+    check_rank(mix_stds, "mix_stds", 2, "[K, D]")
+    check_rank(q_mu, "q_mu", 1, "[D]")
+    check_rank(q_std, "q_std", 1, "[D]")
+    (n, d), k = samples.shape, mix_weights.shape[0]
+    check(n >= 1, "samples must hold at least one sample (N >= 1): the self-normalised ",
+          "weights are undefined for N = 0, got shape ", shape_str(samples))
+    check(k >= 1, "mix_weights must hold at least one mixture component (K >= 1), got shape ",
+          shape_str(mix_weights))
+    check_size(mix_mus, "mix_mus", 0, k, "K, the number of mixture components in mix_weights")
+    check_size(mix_mus, "mix_mus", 1, d, "D, the sample dimension of samples")
+    check_size(mix_stds, "mix_stds", 0, k, "K, the number of mixture components in mix_weights")
+    check_size(mix_stds, "mix_stds", 1, d, "D, the sample dimension of samples")
+    check_size(q_mu, "q_mu", 0, d, "D, the sample dimension of samples")
+    check_size(q_std, "q_std", 0, d, "D, the sample dimension of samples")
+    check_same_float_dtype_and_device([
+        (samples, "samples"), (mix_weights, "mix_weights"), (mix_mus, "mix_mus"), (mix_stds, "mix_stds"),
+        (q_mu, "q_mu"), (q_std, "q_std"),
+    ])
+    return n, d, k
+
+
 @torch.library.register_fake("fused_ops::importance_sampling")
 def _importance_sampling_fake(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
-    torch._check(samples.dim() == 2, lambda: f"samples must be a 2-D tensor [N, D], got {samples.shape}")
-    n, d = samples.shape
+    n, d, _ = _check_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std)
     return samples.new_empty(d), samples.new_empty(()), samples.new_empty(n)
 
 
@@ -113,13 +140,39 @@ def importance_sampling_backward(
     )
 
 
+def _check_backward_args(grad_weighted_mean, grad_ess, grad_log_weights,
+                         samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
+                         weighted_mean, log_weights):
+    """The rules of csrc/importance_sampling.h's ImportanceSamplingBackwardCall."""
+    n, d, k = _check_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std)
+    check_rank(weighted_mean, "weighted_mean", 1, "[D]")
+    check_size(weighted_mean, "weighted_mean", 0, d, "D, the sample dimension of samples")
+    check_rank(log_weights, "log_weights", 1, "[N]")
+    check_size(log_weights, "log_weights", 0, n, "N, the number of samples")
+    check_same_float_dtype_and_device([(samples, "samples"), (weighted_mean, "weighted_mean"),
+                                       (log_weights, "log_weights")])
+    if grad_weighted_mean is not None:
+        check_rank(grad_weighted_mean, "grad_weighted_mean", 1, "[D]")
+        check_size(grad_weighted_mean, "grad_weighted_mean", 0, d, "D, the sample dimension of samples")
+        check_same_float_dtype_and_device([(samples, "samples"), (grad_weighted_mean, "grad_weighted_mean")])
+    if grad_ess is not None:
+        check_rank(grad_ess, "grad_ess", 0, "[]")
+        check_same_float_dtype_and_device([(samples, "samples"), (grad_ess, "grad_ess")])
+    if grad_log_weights is not None:
+        check_rank(grad_log_weights, "grad_log_weights", 1, "[N]")
+        check_size(grad_log_weights, "grad_log_weights", 0, n, "N, the number of samples")
+        check_same_float_dtype_and_device([(samples, "samples"), (grad_log_weights, "grad_log_weights")])
+
+
 @torch.library.register_fake("fused_ops::importance_sampling_backward")
 def _importance_sampling_backward_fake(
     grad_weighted_mean, grad_ess, grad_log_weights,
     samples, mix_weights, mix_mus, mix_stds, q_mu, q_std,
     weighted_mean, log_weights,
 ):
-    torch._check(samples.dim() == 2, lambda: f"samples must be a 2-D tensor [N, D], got {samples.shape}")
+    _check_backward_args(grad_weighted_mean, grad_ess, grad_log_weights, samples, mix_weights, mix_mus,
+                         mix_stds, q_mu, q_std, weighted_mean, log_weights)
+    # Contiguous, like the kernels' outputs.
     return tuple(t.new_empty(t.shape) for t in (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["vae_elbo"]
 
@@ -96,7 +97,8 @@ def vae_elbo(
     compiled for.
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
-    if x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
+    # x None: the op's checks name x.
+    if x is not None and x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)  # names the public op
         elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args)
@@ -111,12 +113,62 @@ def _recording_a_portable_graph() -> bool:
     return torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
+def _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2):
+    """The argument rules of csrc/vae_elbo.h's check_vae_elbo_args, in its
+    order and with its messages (fused_ops/ops/_checks.py); returns ``(B, I, H, L)``."""
+    check_rank(x, "x", 2, "[B, I]")
+    check_rank(eps, "eps", 2, "[B, L]")
+    check_rank(w_enc, "w_enc", 2, "[H, I]")
+    check_rank(b_enc, "b_enc", 1, "[H]")
+    check_rank(w_mu, "w_mu", 2, "[L, H]")
+    check_rank(b_mu, "b_mu", 1, "[L]")
+    check_rank(w_logvar, "w_logvar", 2, "[L, H]")
+    check_rank(b_logvar, "b_logvar", 1, "[L]")
+    check_rank(w_dec1, "w_dec1", 2, "[H, L]")
+    check_rank(b_dec1, "b_dec1", 1, "[H]")
+    check_rank(w_dec2, "w_dec2", 2, "[I, H]")
+    check_rank(b_dec2, "b_dec2", 1, "[I]")
+    (b, i), h, l_ = x.shape, w_enc.shape[0], w_mu.shape[0]
+    check(i >= 1, "x must have at least one feature (I >= 1), got shape ", shape_str(x))
+    check(h >= 1, "w_enc must have at least one hidden unit (H >= 1), got shape ", shape_str(w_enc))
+    check(l_ >= 1, "w_mu must have at least one latent unit (L >= 1), got shape ", shape_str(w_mu))
+    check_size(w_enc, "w_enc", 1, i, "I, the input dimension of x")
+    check_size(b_enc, "b_enc", 0, h, "H, the hidden dimension of w_enc")
+    check_size(w_mu, "w_mu", 1, h, "H, the hidden dimension of w_enc")
+    check_size(b_mu, "b_mu", 0, l_, "L, the latent dimension of w_mu")
+    check_size(w_logvar, "w_logvar", 0, l_, "L, the latent dimension of w_mu")
+    check_size(w_logvar, "w_logvar", 1, h, "H, the hidden dimension of w_enc")
+    check_size(b_logvar, "b_logvar", 0, l_, "L, the latent dimension of w_mu")
+    check_size(eps, "eps", 0, b, "B, the batch size of x")
+    check_size(eps, "eps", 1, l_, "L, the latent dimension of w_mu")
+    check_size(w_dec1, "w_dec1", 0, h, "H, the hidden dimension of w_enc")
+    check_size(w_dec1, "w_dec1", 1, l_, "L, the latent dimension of w_mu")
+    check_size(b_dec1, "b_dec1", 0, h, "H, the hidden dimension of w_enc")
+    check_size(w_dec2, "w_dec2", 0, i, "I, the input dimension of x")
+    check_size(w_dec2, "w_dec2", 1, h, "H, the hidden dimension of w_enc")
+    check_size(b_dec2, "b_dec2", 0, i, "I, the input dimension of x")
+    check_same_float_dtype_and_device([
+        (x, "x"), (eps, "eps"), (w_enc, "w_enc"), (b_enc, "b_enc"), (w_mu, "w_mu"), (b_mu, "b_mu"),
+        (w_logvar, "w_logvar"), (b_logvar, "b_logvar"), (w_dec1, "w_dec1"), (b_dec1, "b_dec1"),
+        (w_dec2, "w_dec2"), (b_dec2, "b_dec2"),
+    ])
+    return b, i, h, l_
+
+
+def _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs):
+    """The rules of csrc/vae_elbo_backward.h's VaeElboBackwardCall; returns ``(B, I, H, L)``."""
+    sizes = _check_args(*inputs)
+    for g, name in ((grad_elbo, "grad_elbo"), (grad_recon, "grad_recon"), (grad_kl, "grad_kl")):
+        if g is not None:
+            check_rank(g, name, 1, "[B]")
+            check_size(g, name, 0, sizes[0], "B, the batch size of x")
+            check_same_float_dtype_and_device([(inputs[0], "x"), (g, name)])
+    return sizes
+
+
 @torch.library.register_fake("fused_ops::vae_elbo")
 def _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2):
-    torch._check(x.dim() == 2, lambda: f"x must be a 2-D tensor [B, I], got {x.shape}")
-    torch._check(eps.dim() == 2, lambda: f"eps must be a 2-D tensor [B, L], got {eps.shape}")
-    torch._check(eps.shape[0] == x.shape[0], lambda: f"eps.shape[0] must be B={x.shape[0]}, got {eps.shape}")
-    b = x.shape[0]
+    b = _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)[0]
     return x.new_empty(b), x.new_empty(b), x.new_empty(b)
 
 
@@ -177,6 +229,7 @@ def _vae_elbo_backward(ctx, grad_elbo, grad_recon, grad_kl):
 
 @torch.library.register_fake("fused_ops::vae_elbo_backward")
 def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs):
+    _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs)
     return tuple(t.new_empty(t.shape) for t in inputs)
 
 
@@ -185,16 +238,15 @@ def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs):
 # reads them instead of recomputing the forward.
 
 
-def _vae_saved_numel(x, w_enc, w_mu):
-    (b, i), h, l_ = x.shape, w_enc.shape[0], w_mu.shape[0]
+def _vae_saved_numel(b, i, h, l_):
     return b * (2 * h + 3 * l_ + i)
 
 
 @torch.library.register_fake("fused_ops::vae_elbo_train")
 def _vae_elbo_train_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2):
-    elbo, recon, kl = _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1,
-                                     w_dec2, b_dec2)
-    return elbo, recon, kl, x.new_empty(_vae_saved_numel(x, w_enc, w_mu))
+    sizes = _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
+    b = sizes[0]
+    return x.new_empty(b), x.new_empty(b), x.new_empty(b), x.new_empty(_vae_saved_numel(*sizes))
 
 
 def _vae_elbo_train_setup_context(ctx, inputs, output):
@@ -224,7 +276,13 @@ def _vae_elbo_train_backward(ctx, grad_elbo, grad_recon, grad_kl, _grad_saved):
 
 @torch.library.register_fake("fused_ops::vae_elbo_train_backward")
 def _vae_elbo_train_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs_saved_flag):
-    *inputs, _saved, compute_grad_x = inputs_saved_flag
+    *inputs, saved, compute_grad_x = inputs_saved_flag
+    # csrc/cpu/vae_elbo/backward.cpp's vae_elbo_train_backward_cpu.
+    expected = _vae_saved_numel(*_check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs))
+    check_rank(saved, "saved", 1, "[B * (2H + 3L + I)], vae_elbo_train's fourth output")
+    check(saved.shape[0] == expected, "saved must hold B * (2H + 3L + I) = ", expected,
+          " elements (vae_elbo_train's fourth output for these inputs), got shape ", shape_str(saved))
+    check_same_float_dtype_and_device([(inputs[0], "x"), (saved, "saved")])
     grad_x = inputs[0].new_empty(inputs[0].shape if compute_grad_x else (0,))
     return (grad_x, *(t.new_empty(t.shape) for t in inputs[1:]))
 

@@ -79,7 +79,8 @@ class Memo {
 class TensorDeviceGuard {
  public:
   explicit TensorDeviceGuard(const torch::stable::Tensor& t) {
-    if (!t.is_cuda()) return;
+    // An undefined tensor (None) is left to the argument checks, which name it.
+    if (!t.defined() || !t.is_cuda()) return;
     const int device = int(t.get_device_index());
     if (current_device() != device) guard_.emplace(device);
   }
