@@ -193,14 +193,14 @@ class FlowODE(reference.FlowODE):
         dt_x = dt if dt.dtype == x0.dtype else dt.to(x0.dtype)
         if torch.compiler.is_compiling() or dt.requires_grad or dt.is_meta or _transforms_active():
             scale = torch.where(dt_x == op_dt, 1.0, dt_x / op_dt)
-            weights[4], weights[5] = weights[4] * scale, weights[5] * scale
-            return ops.flow_euler(x0, *weights, num_steps)
-        step = self._dt_on_host(dt, num_steps, x0.dtype)
-        if step == _round_to(op_dt, x0.dtype):
-            return ops.flow_euler(x0, *weights, num_steps)
-        if not math.isfinite(step):
-            return reference.FlowODE.forward(self, x0)
-        scale = dt_x / op_dt
+        else:
+            step = self._dt_on_host(dt, num_steps, x0.dtype)
+            if step == _round_to(op_dt, x0.dtype):
+                return ops.flow_euler(x0, *weights, num_steps)
+            if not math.isfinite(step):
+                return reference.FlowODE.forward(self, x0)
+            scale = dt_x / op_dt
+        # The op steps with op_dt: the last layer scaled by dt / op_dt makes that step dt * v.
         weights[4], weights[5] = weights[4] * scale, weights[5] * scale
         return ops.flow_euler(x0, *weights, num_steps)
 
