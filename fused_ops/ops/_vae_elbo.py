@@ -35,7 +35,9 @@ def vae_elbo(
     b_dec1: Tensor,
     w_dec2: Tensor,
     b_dec2: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
+    *,
+    return_outputs: bool = False,
+) -> tuple[Tensor, ...]:
     r"""Forward pass of a one-hidden-layer VAE with reparameterisation, BCE
     reconstruction loss and KL term, in one fused kernel.
 
@@ -72,6 +74,17 @@ def vae_elbo(
     nor the reconstruction are materialised.  Results are bitwise reproducible
     for the same inputs on the same device.
 
+    With ``return_outputs=True`` it returns ``(elbo, recon, kl, probs [B, I],
+    mu [B, L], logvar [B, L])``: the decoder's probabilities ``sigmoid(a)``
+    (``torch.sigmoid`` of the logits) and the latent heads, for the images,
+    latents and monitoring users plot.  They carry no gradient (detached);
+    gradients flow through ``elbo``, ``recon`` and ``kl`` as without them.
+    On the CPU they are the kernel's own activations (the training kernel
+    ``vae_elbo_train`` writes them, for any call); the CUDA kernels do not
+    write them, so on CUDA they are computed by PyTorch from the same
+    weights (the encoder and decoder products once more, ~2x the forward's
+    products; equal to the kernels' to float32 rounding).
+
     On CUDA the kernel is one of several paths, picked from the sizes (and
     the build's architectures) by the op's dispatch table:
     ``fused_ops._paths.table("vae_elbo")`` lists them with their conditions.
@@ -97,6 +110,8 @@ def vae_elbo(
     compiled for.
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
+    if return_outputs:
+        return _with_outputs(args)
     # x None: the op's checks name x.
     if x is not None and x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
@@ -104,6 +119,31 @@ def vae_elbo(
         elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args)
         return elbo, recon, kl
     return _eager.call(_OP, args)
+
+
+def _with_outputs(args):
+    """``vae_elbo(*args, return_outputs=True)``: the losses, then ``probs``,
+    ``mu``, ``logvar`` (detached)."""
+    x = args[0]
+    if x is not None and x.is_cpu and not _recording_a_portable_graph():
+        if not torch.compiler.is_compiling():
+            _eager.reject_forward_ad(_OP, args)
+        elbo, recon, kl, saved = _eager.call(_TRAIN_OP, args)
+        b, i, h, l_ = x.shape[0], x.shape[1], args[2].shape[0], args[4].shape[0]
+        saved = saved.detach()
+        # csrc/vae_elbo.h's VaeSavedLayout: h [B, H] | ml [B, 2L] | z [B, L] | g [B, H] | logits [B, I].
+        ml = saved[b * h:b * (h + 2 * l_)].view(b, 2 * l_)
+        logits = saved[b * (2 * h + 3 * l_):].view(b, i)
+        return elbo, recon, kl, torch.sigmoid(logits), ml[:, :l_].contiguous(), ml[:, l_:].contiguous()
+    elbo, recon, kl = _eager.call(_OP, args)
+    x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2 = (
+        t.detach() for t in args)
+    linear = torch.nn.functional.linear
+    h = torch.relu(linear(x, w_enc, b_enc))
+    mu, logvar = linear(h, w_mu, b_mu), linear(h, w_logvar, b_logvar)
+    z = mu + torch.exp(0.5 * logvar) * eps
+    probs = torch.sigmoid(linear(torch.relu(linear(z, w_dec1, b_dec1)), w_dec2, b_dec2))
+    return elbo, recon, kl, probs, mu, logvar
 
 
 def _recording_a_portable_graph() -> bool:
