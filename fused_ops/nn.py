@@ -15,7 +15,7 @@ import struct
 import torch
 from torch import nn
 
-from . import _eager, ops, reference
+from . import _eager, _vae_layouts, ops, reference
 
 __all__ = ["ImportanceSampler", "FlowODE", "VAE", "convert"]
 
@@ -280,30 +280,111 @@ class VAE(reference.VAE):
     latent_dim)``, so the submodules ``encoder = Sequential(Linear(I, H),
     ReLU())``, ``fc_mu``, ``fc_logvar``, ``decoder = Sequential(Linear(L, H),
     ReLU(), Linear(H, I), Sigmoid())``, their parameter names, creation order
-    and, under one seed, values are the reference's.
+    and, under one seed, values are the reference's.  Also built from the
+    user's own layers, sharing their parameters (the user's optimiser and
+    checkpoints keep working): :meth:`from_reference`, :meth:`from_modules`,
+    :meth:`from_pytorch_examples` (whose module keeps pytorch/examples'
+    parameter names, ``fc1.weight`` ...).
 
-    ``forward(x [..., I], eps=None) -> (elbo, recon, kl)``, each ``[...]``.
-    Without ``eps`` it draws ``torch.randn_like`` of the latent mean's shape,
-    dtype and device -- the one random call of the reference's forward -- so
-    a seeded run equals a seeded run of the reference.
+    ``forward(x, eps=None) -> (elbo, recon, kl)``.  ``x`` is either
+    ``[..., I]`` (the reference's batch shapes: each result is ``[...]``) or,
+    when its last dimension is not I, ``[B, ...]`` with I elements per sample
+    (an image batch ``[B, 1, 28, 28]`` for I = 784), flattened as
+    ``x.view(B, -1)``: each result is ``[B]``.  Any other shape is a
+    ValueError naming x and I.  Without ``eps`` it draws ``torch.randn_like``
+    of the latent mean's shape, dtype and device -- the one random call of
+    the reference's forward -- so a seeded run equals a seeded run of the
+    reference.  :meth:`forward_with_outputs` also returns the decoder's
+    probabilities, mu and logvar.
     """
 
     _linear_paths = (("encoder", "0"), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
 
     def forward(self, x, eps=None):
         weights = _linear_params(_submodules(self, self._linear_paths))
-        batch_shape = x.shape[:-1]
-        if eps is None:
-            # The reference calls torch.randn_like(mu) with mu [..., L] of x's dtype and device.
-            eps = torch.randn_like(x.new_empty(batch_shape + (weights[2].shape[0],)))
-        if x.dim() == 2 and eps.dim() == 2:
+        if x.dim() == 2 and x.shape[1] == weights[0].shape[1] and (eps is None or eps.dim() == 2):
+            if eps is None:
+                # The reference calls torch.randn_like(mu) with mu [B, L] of x's dtype and device.
+                eps = torch.randn_like(x.new_empty((x.shape[0], weights[2].shape[0])))
             return ops.vae_elbo(x, eps, *weights)
-        elbo, recon, kl = ops.vae_elbo(x.reshape(-1, x.shape[-1]), eps.reshape(-1, eps.shape[-1]), *weights)
+        x2, eps2, batch_shape = self._flatten(x, eps, weights)
+        elbo, recon, kl = ops.vae_elbo(x2, eps2, *weights)
         return elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape)
 
+    def forward_with_outputs(self, x, eps=None):
+        """``(elbo, recon, kl, probs, mu, logvar)``: :meth:`forward`'s results
+        and the decoder's probabilities (``probs``, in x's shape: an image
+        batch gives images), ``mu`` and ``logvar`` (``[..., L]``), detached
+        (``fused_ops.vae_elbo(..., return_outputs=True)``)."""
+        weights = _linear_params(_submodules(self, self._linear_paths))
+        x2, eps2, batch_shape = self._flatten(x, eps, weights)
+        elbo, recon, kl, probs, mu, logvar = ops.vae_elbo(x2, eps2, *weights, return_outputs=True)
+        latent = batch_shape + (mu.shape[-1],)
+        return (elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape),
+                probs.reshape(x.shape), mu.reshape(latent), logvar.reshape(latent))
+
+    def _flatten(self, x, eps, weights):
+        """``(x [N, I], eps [N, L], batch shape)`` for the op (the class docstring's two input forms)."""
+        i = weights[0].shape[1]
+        if x.dim() >= 1 and x.shape[-1] == i:
+            batch_shape = x.shape[:-1]
+        elif x.dim() >= 2 and math.prod(x.shape[1:]) == i:
+            batch_shape = x.shape[:1]
+        else:
+            first = ".".join(self._linear_paths[0])
+            raise ValueError(
+                f"x must be [..., {i}] or [B, ...] with {i} elements per sample ({i} = {first}.in_features), "
+                f"got shape {list(x.shape)}")
+        if eps is None:
+            eps = torch.randn_like(x.new_empty(batch_shape + (weights[2].shape[0],)))
+        return x.reshape(-1, i), eps.reshape(-1, eps.shape[-1]), batch_shape
+
     def extra_repr(self):
-        h, i = self.encoder[0].weight.shape
-        return f"input_dim={i}, hidden_dim={h}, latent_dim={self.fc_mu.out_features}"
+        first, head = _submodules(self, self._linear_paths[:2])
+        h, i = first.weight.shape
+        return f"input_dim={i}, hidden_dim={h}, latent_dim={head.weight.shape[0]}"
+
+    @classmethod
+    def from_modules(cls, encoder, fc_mu, fc_logvar, decoder):
+        """A fused module running the user's own layers, sharing them (no
+        copies): ``encoder = Sequential([Flatten(),] Linear(I, H), ReLU())``,
+        ``fc_mu`` and ``fc_logvar`` ``Linear(H, L)``, ``decoder =
+        Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid())``, all with
+        biases.  Its parameter names are ``encoder.<k>.weight``, ``fc_mu.bias``
+        ... (the reference's when the encoder has no Flatten).  Any other
+        layer, activation, depth or width mismatch raises a ValueError naming
+        the layer (fused_ops/_vae_layouts.py)."""
+        paths = _vae_layouts.from_modules_paths(encoder, fc_mu, fc_logvar, decoder)
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.encoder, fused.fc_mu, fused.fc_logvar, fused.decoder = encoder, fc_mu, fc_logvar, decoder
+        fused._linear_paths = paths
+        fused.training = encoder.training
+        return fused
+
+    @classmethod
+    def from_pytorch_examples(cls, model):
+        """A fused module sharing the layers of a model in the layout of
+        pytorch/examples' ``vae/main.py`` (``fc1`` I -> H, ``fc21`` / ``fc22``
+        H -> L for mu / logvar, ``fc3`` L -> H, ``fc4`` H -> I; ReLU hidden
+        layers, sigmoid output; 784-400-20 there, any sizes here).
+
+        Its state_dict has the model's names (``fc1.weight`` ...), so the
+        model's checkpoints load into it strictly and the model's optimiser
+        trains it.  ``-fused(data)[0].sum()`` is the example's
+        ``loss_function(*model(data), data)`` (BCE summed + KLD), ``data``
+        the ``[B, 1, 28, 28]`` batch itself; ``forward_with_outputs`` also
+        gives ``recon_batch`` (as ``probs``, in data's shape), mu and logvar.
+        A model with other layers or parameters raises a ValueError naming
+        them."""
+        paths = _vae_layouts.pytorch_examples_paths(model)
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        for (name,) in paths:
+            setattr(fused, name, getattr(model, name))
+        fused._linear_paths = paths
+        fused.training = model.training
+        return fused
 
     _children = ("encoder", "fc_mu", "fc_logvar", "decoder")
 

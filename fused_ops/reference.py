@@ -99,6 +99,50 @@ class VAE(nn.Module):
         return elbo, recon, kl
 
 
+class ExamplesVAE(nn.Module):
+    """The VAE of pytorch/examples' ``vae/main.py`` (MNIST): ``fc1`` 784-400,
+    ``fc21`` (mu) and ``fc22`` (logvar) 400-20, ``fc3`` 20-400, ``fc4``
+    400-784.  ``forward(x[B, ...], eps=None) -> (recon_x[B, 784], mu[B, 20],
+    logvar[B, 20])`` as the example computes them (it flattens ``x`` with
+    ``view(-1, 784)``); ``eps`` defaults to ``torch.randn_like`` of the
+    standard deviation, the example's one random call.  Its loss is
+    :func:`examples_loss_function`."""
+
+    def __init__(self, input_dim=784, hidden_dim=400, latent_dim=20):
+        super().__init__()
+        self.fc1 = nn.Linear(input_dim, hidden_dim)
+        self.fc21 = nn.Linear(hidden_dim, latent_dim)
+        self.fc22 = nn.Linear(hidden_dim, latent_dim)
+        self.fc3 = nn.Linear(latent_dim, hidden_dim)
+        self.fc4 = nn.Linear(hidden_dim, input_dim)
+
+    def encode(self, x):
+        h1 = F.relu(self.fc1(x))
+        return self.fc21(h1), self.fc22(h1)
+
+    def reparameterize(self, mu, logvar, eps=None):
+        std = torch.exp(0.5 * logvar)
+        if eps is None:
+            eps = torch.randn_like(std)
+        return mu + eps * std
+
+    def decode(self, z):
+        return torch.sigmoid(self.fc4(F.relu(self.fc3(z))))
+
+    def forward(self, x, eps=None):
+        mu, logvar = self.encode(x.view(-1, self.fc1.in_features))
+        z = self.reparameterize(mu, logvar, eps)
+        return self.decode(z), mu, logvar
+
+
+def examples_loss_function(recon_x, x, mu, logvar):
+    """pytorch/examples' VAE loss: BCE summed over all elements and the
+    batch, plus the KL divergence summed likewise (a 0-d tensor)."""
+    bce = F.binary_cross_entropy(recon_x, x.view(-1, recon_x.shape[-1]), reduction="sum")
+    kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+    return bce + kld
+
+
 def flow_euler(x0, w1, b1, w2, b2, w3, b3, num_steps):
     """Functional form of :class:`FlowODE` with explicit weights (any hidden
     width), computing what the fused op computes: the module's loop with

@@ -1,0 +1,124 @@
+"""The users' layer layouts that :class:`fused_ops.nn.VAE` can run, besides
+its own (the reference's ``encoder`` / ``fc_mu`` / ``fc_logvar`` /
+``decoder``): the user's own four parts (``VAE.from_modules``) and the
+``fc1`` / ``fc21`` / ``fc22`` / ``fc3`` / ``fc4`` model of pytorch/examples'
+``vae/main.py`` (``VAE.from_pytorch_examples``).
+
+The fused kernels compute one network: ``Linear(I, H), ReLU`` to the two
+latent heads ``Linear(H, L)`` (mu, logvar), then ``Linear(L, H), ReLU,
+Linear(H, I), Sigmoid`` with every Linear carrying a bias.  Each function
+here checks that a layout is that network and returns where its five Linear
+layers are (paths of child names, as ``fused_ops.nn`` reads them); anything
+else raises a ValueError naming the first layer that does not fit and what
+was expected there.
+"""
+
+from torch import nn
+
+__all__ = ["check_linear", "from_modules_paths", "pytorch_examples_paths", "EXAMPLES_LAYERS"]
+
+#: pytorch/examples' layer names, in the order of the fused op's weights.
+EXAMPLES_LAYERS = ("fc1", "fc21", "fc22", "fc3", "fc4")
+
+# Parameter-free children a pytorch/examples-style model may hold beside its
+# Linear layers (``self.relu = nn.ReLU()``): they are the kernels' own
+# activations.
+_EXAMPLES_ACTIVATIONS = (nn.ReLU, nn.Sigmoid)
+
+
+def check_linear(layer, name, shape, what):
+    """``layer`` is an ``nn.Linear`` with a bias whose weight is ``shape``
+    (``(out_features, in_features)``); ``what`` says where the sizes come from."""
+    if type(layer) is not nn.Linear:
+        raise ValueError(f"{name} must be an nn.Linear {what}, got {type(layer).__name__}")
+    if layer.bias is None:
+        raise ValueError(f"{name} must have a bias (the fused kernels add one), got {layer}")
+    out_f, in_f = layer.weight.shape
+    if (out_f, in_f) != tuple(shape):
+        raise ValueError(
+            f"{name} must be Linear({shape[1]}, {shape[0]}) {what}, got Linear({in_f}, {out_f})")
+
+
+def _check_kind(layer, name, kind, role):
+    if type(layer) is not kind:
+        raise ValueError(
+            f"{name} is {type(layer).__name__}: the fused kernels apply {kind.__name__} there ({role}; "
+            f"other activations and layers are not supported)")
+
+
+def from_modules_paths(encoder, fc_mu, fc_logvar, decoder):
+    """Paths of the five Linear layers of ``encoder = Sequential([Flatten(),]
+    Linear(I, H), ReLU())``, ``fc_mu``, ``fc_logvar`` (``Linear(H, L)``) and
+    ``decoder = Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid())``
+    held as the children ``encoder``, ``fc_mu``, ``fc_logvar``, ``decoder``."""
+    if not isinstance(encoder, nn.Sequential):
+        raise ValueError(f"encoder must be nn.Sequential(Linear(I, H), ReLU()), got {type(encoder).__name__}")
+    if not isinstance(decoder, nn.Sequential):
+        raise ValueError(
+            f"decoder must be nn.Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid()), "
+            f"got {type(decoder).__name__}")
+    enc = list(encoder)
+    first = 0
+    if enc and type(enc[0]) is nn.Flatten:
+        if (enc[0].start_dim, enc[0].end_dim) != (1, -1):
+            raise ValueError(f"encoder[0] must be Flatten(start_dim=1, end_dim=-1), got {enc[0]}")
+        first = 1
+    if len(enc) - first != 2:
+        raise ValueError(
+            f"encoder must hold Linear(I, H) and ReLU() (one hidden layer, the fused kernels' depth), "
+            f"got {len(enc) - first} layers after the optional Flatten")
+    lin = enc[first]
+    if type(lin) is not nn.Linear:
+        raise ValueError(f"encoder[{first}] must be an nn.Linear (the input layer), got {type(lin).__name__}")
+    h, i = lin.weight.shape
+    check_linear(lin, f"encoder[{first}]", (h, i), "(the input layer)")
+    _check_kind(enc[first + 1], f"encoder[{first + 1}]", nn.ReLU, "the encoder's hidden layer")
+    if type(fc_mu) is not nn.Linear:
+        raise ValueError(f"fc_mu must be an nn.Linear (H -> L), got {type(fc_mu).__name__}")
+    l_ = fc_mu.weight.shape[0]
+    check_linear(fc_mu, "fc_mu", (l_, h), f"(H = {h}, the encoder's width, to L)")
+    check_linear(fc_logvar, "fc_logvar", (l_, h), f"(H = {h} to L = {l_}, fc_mu's latent size)")
+    dec = list(decoder)
+    if len(dec) != 4:
+        raise ValueError(
+            f"decoder must be Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid()) (one hidden layer, "
+            f"the fused kernels' depth), got {len(dec)} layers")
+    check_linear(dec[0], "decoder[0]", (h, l_), f"(L = {l_} to H = {h}, the encoder's width)")
+    _check_kind(dec[1], "decoder[1]", nn.ReLU, "the decoder's hidden layer")
+    check_linear(dec[2], "decoder[2]", (i, h), f"(H = {h} to I = {i}, the encoder's input size)")
+    _check_kind(dec[3], "decoder[3]", nn.Sigmoid, "Bernoulli probabilities for the BCE")
+    return (("encoder", str(first)), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
+
+
+def pytorch_examples_paths(model):
+    """Paths of ``model``'s ``fc1``, ``fc21``, ``fc22``, ``fc3``, ``fc4``:
+    the layout of pytorch/examples' VAE (``h1 = relu(fc1(x))``, mu =
+    ``fc21(h1)``, logvar = ``fc22(h1)``, ``sigmoid(fc4(relu(fc3(z))))``) at any sizes."""
+    kind = type(model).__name__
+    children = dict(model.named_children())
+    for name in EXAMPLES_LAYERS:
+        if name not in children:
+            raise ValueError(
+                f"{kind} has no layer {name}: expected pytorch/examples' VAE layout fc1 (I -> H), "
+                f"fc21 and fc22 (H -> L: mu, logvar), fc3 (L -> H), fc4 (H -> I)")
+    for name, child in children.items():
+        if name not in EXAMPLES_LAYERS and not isinstance(child, _EXAMPLES_ACTIVATIONS):
+            raise ValueError(
+                f"{kind}.{name} ({type(child).__name__}) is not part of pytorch/examples' VAE layout "
+                f"(fc1, fc21, fc22, fc3, fc4 and parameter-free ReLU/Sigmoid): not supported")
+    for name, _ in model.named_parameters(recurse=False):
+        raise ValueError(f"{kind}.{name} is a parameter outside pytorch/examples' layers fc1 .. fc4: not supported")
+    fc1 = children["fc1"]
+    if type(fc1) is not nn.Linear:
+        raise ValueError(f"{kind}.fc1 must be an nn.Linear (the input layer), got {type(fc1).__name__}")
+    h, i = fc1.weight.shape
+    check_linear(fc1, f"{kind}.fc1", (h, i), "(the input layer)")
+    fc21 = children["fc21"]
+    if type(fc21) is not nn.Linear:
+        raise ValueError(f"{kind}.fc21 must be an nn.Linear (H -> L, mu), got {type(fc21).__name__}")
+    l_ = fc21.weight.shape[0]
+    check_linear(fc21, f"{kind}.fc21", (l_, h), f"(H = {h}, fc1's width, to L: mu)")
+    check_linear(children["fc22"], f"{kind}.fc22", (l_, h), f"(H = {h} to L = {l_}: logvar)")
+    check_linear(children["fc3"], f"{kind}.fc3", (h, l_), f"(L = {l_} to H = {h})")
+    check_linear(children["fc4"], f"{kind}.fc4", (i, h), f"(H = {h} to I = {i}, fc1's input size)")
+    return tuple((name,) for name in EXAMPLES_LAYERS)
