@@ -171,7 +171,8 @@ VAE_ELBO = OpCase(
     size_id=lambda s: "B{}-I{}-H{}-L{}".format(*s),
     fresh_first=torch.rand_like,
     match_sizes=tuple((B, *shape) for B in (1, 3, 128, 1000)
-                      for shape in ((784, 256, 32), (5, 7, 3), (1000, 130, 17), (64, 512, 2))),
+                      for shape in ((784, 256, 32), (5, 7, 3), (1000, 130, 17), (64, 512, 2),
+                                  (784, 400, 20))),  # the last: pytorch/examples' VAE
     single_run_check=_vae_single_run_check,
     # B=2048 at 784-256-32 runs the 3xTF32 tensor-core paths on CUDA, held to
     # 4x the float32 reference's error: 3xTF32 recovers float32 accuracy up
@@ -307,6 +308,9 @@ VAE_ELBO = OpCase(
         PathCase("cluster", (128, 64, 512, 2), note="wide hidden layer"),
         PathCase("cluster", (40, 1024, 512, 8), note="wide layers, shared memory above 128 KB"),
         PathCase("cluster", (1000, 64, 128, 8), note="more tiles than resident clusters"),
+        PathCase("cluster", (128, 784, 400, 20), note="pytorch/examples' VAE, its batch size"),
+        PathCase("cluster", (8192, 784, 400, 20),
+                 note="pytorch/examples' VAE at a large batch (H > 256: no tensor-core path)"),
         PathCase("wgmma", (8192, 784, 256, 32), note="large batch"),
         PathCase("wgmma", (2053, 784, 256, 32), note="partial last row tile, one 16-column tail pass"),
         PathCase("wgmma", (2048, 37, 256, 5), note="I below one chunk, tail passes only, odd L"),
