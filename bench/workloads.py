@@ -250,6 +250,42 @@ def _vae_loss(outputs: Any) -> torch.Tensor:
     return -elbo.mean()
 
 
+# pytorch/examples' VAE (vae/main.py): the model as the example writes it,
+# with its loss terms per sample (the example's loss_function is their sum
+# over the batch, -elbo.sum()); inputs are the example's MNIST batch shape.
+
+
+class _ExamplesELBO(torch.nn.Module):
+    """``(elbo, recon, kl)`` per sample of pytorch/examples' VAE (``model``)."""
+
+    def __init__(self, p: Params):
+        super().__init__()
+        from fused_ops.reference import ExamplesVAE
+
+        self.model = ExamplesVAE(p["I"], p["H"], p["L"])
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        recon_x, mu, logvar = self.model(x, eps)
+        target = x.view(-1, recon_x.shape[-1])
+        recon = torch.nn.functional.binary_cross_entropy(recon_x, target, reduction="none").sum(-1)
+        kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(-1)
+        return -(recon + kl), recon, kl
+
+
+def _examples_inputs(p: Params) -> Inputs:
+    return torch.rand(p["B"], 1, 28, 28), torch.randn(p["B"], p["L"])
+
+
+def _examples_fused(reference: torch.nn.Module) -> Callable:
+    import fused_ops.nn
+
+    return fused_ops.nn.VAE.from_pytorch_examples(reference.model)
+
+
+def _examples_loss(outputs: Any) -> torch.Tensor:
+    return -outputs[0].sum()
+
+
 WORKLOADS: Dict[str, Workload] = {
     w.name: w
     for w in (
@@ -300,6 +336,19 @@ WORKLOADS: Dict[str, Workload] = {
                 "default": {EAGER: 3.0, COMPILE_RO: 1.0},
                 "large": {EAGER: 1.3},
             },
+        ),
+        Workload(
+            name="vae_examples",
+            op="vae_elbo",
+            fused_name="VAE",
+            sizes={
+                "default": {"B": 128, "I": 784, "H": 400, "L": 20},
+                "large": {"B": 8192, "I": 784, "H": 400, "L": 20},
+            },
+            make_reference=_ExamplesELBO,
+            make_inputs=_examples_inputs,
+            make_fused=_examples_fused,
+            train_loss=_examples_loss,
         ),
     )
 }
