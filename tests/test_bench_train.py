@@ -70,6 +70,7 @@ TINY_SIZES = {
     "importance_sampling": {"N": 64, "D": 4, "K": 2},
     "flow": {"B": 4, "D": 8, "steps": 3},
     "vae": {"B": 8, "I": 16, "H": 8, "L": 4},
+    "vae_examples": {"B": 8, "I": 784, "H": 8, "L": 4},  # the example's [B, 1, 28, 28] batches
 }
 
 
