@@ -129,10 +129,11 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "flow_euler(Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor w3, Tensor b3, "
       "int num_steps) -> Tensor");
+  // likelihood: the reconstruction term (csrc/common/likelihood.h; 0 is BCE).
   m.def(
       "vae_elbo(Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, "
       "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
-      "Tensor b_dec2) -> (Tensor elbo, Tensor recon, Tensor kl)");
+      "Tensor b_dec2, int likelihood=0) -> (Tensor elbo, Tensor recon, Tensor kl)");
   // The discrete adjoint of flow_euler (its backward; csrc/flow_euler_backward.h).
   m.def(
       "flow_euler_backward(Tensor grad_x, Tensor x0, Tensor w1, Tensor b1, Tensor w2, Tensor b2, "
@@ -141,8 +142,9 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "vae_elbo_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl, Tensor x, "
       "Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, Tensor w_logvar, "
-      "Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, Tensor b_dec2) -> (Tensor, "
-      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, Tensor b_dec2, "
+      "int likelihood=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor)");
   // CPU only: vae_elbo that also returns the activations its backward needs
   // (csrc/vae_elbo.h, VaeSavedLayout), and that backward, which reads them
   // instead of recomputing the forward; grad_x is computed only when asked
@@ -151,11 +153,12 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "vae_elbo_train(Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, "
       "Tensor b_mu, Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, "
-      "Tensor w_dec2, Tensor b_dec2) -> (Tensor elbo, Tensor recon, Tensor kl, Tensor saved)");
+      "Tensor w_dec2, Tensor b_dec2, int likelihood=0) -> (Tensor elbo, Tensor recon, Tensor kl, "
+      "Tensor saved)");
   m.def(
       "vae_elbo_train_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl, "
       "Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, Tensor b_mu, "
       "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
-      "Tensor b_dec2, Tensor saved, bool compute_grad_x) -> (Tensor, Tensor, Tensor, Tensor, "
-      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor b_dec2, Tensor saved, bool compute_grad_x, int likelihood=0) -> (Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -47,15 +47,17 @@ def _check_kind(layer, name, kind, role):
 
 
 def from_modules_paths(encoder, fc_mu, fc_logvar, decoder):
-    """Paths of the five Linear layers of ``encoder = Sequential([Flatten(),]
-    Linear(I, H), ReLU())``, ``fc_mu``, ``fc_logvar`` (``Linear(H, L)``) and
-    ``decoder = Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid())``
-    held as the children ``encoder``, ``fc_mu``, ``fc_logvar``, ``decoder``."""
+    """``(paths, sigmoid)``: the paths of the five Linear layers of
+    ``encoder = Sequential([Flatten(),] Linear(I, H), ReLU())``, ``fc_mu``,
+    ``fc_logvar`` (``Linear(H, L)``) and ``decoder = Sequential(Linear(L, H),
+    ReLU(), Linear(H, I)[, Sigmoid()])`` held as the children ``encoder``,
+    ``fc_mu``, ``fc_logvar``, ``decoder``, and whether the decoder ends in
+    the Sigmoid."""
     if not isinstance(encoder, nn.Sequential):
         raise ValueError(f"encoder must be nn.Sequential(Linear(I, H), ReLU()), got {type(encoder).__name__}")
     if not isinstance(decoder, nn.Sequential):
         raise ValueError(
-            f"decoder must be nn.Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid()), "
+            f"decoder must be nn.Sequential(Linear(L, H), ReLU(), Linear(H, I)[, Sigmoid()]), "
             f"got {type(decoder).__name__}")
     enc = list(encoder)
     first = 0
@@ -79,15 +81,17 @@ def from_modules_paths(encoder, fc_mu, fc_logvar, decoder):
     check_linear(fc_mu, "fc_mu", (l_, h), f"(H = {h}, the encoder's width, to L)")
     check_linear(fc_logvar, "fc_logvar", (l_, h), f"(H = {h} to L = {l_}, fc_mu's latent size)")
     dec = list(decoder)
-    if len(dec) != 4:
+    if len(dec) not in (3, 4):
         raise ValueError(
-            f"decoder must be Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid()) (one hidden layer, "
+            f"decoder must be Sequential(Linear(L, H), ReLU(), Linear(H, I)[, Sigmoid()]) (one hidden layer, "
             f"the fused kernels' depth), got {len(dec)} layers")
     check_linear(dec[0], "decoder[0]", (h, l_), f"(L = {l_} to H = {h}, the encoder's width)")
     _check_kind(dec[1], "decoder[1]", nn.ReLU, "the decoder's hidden layer")
     check_linear(dec[2], "decoder[2]", (i, h), f"(H = {h} to I = {i}, the encoder's input size)")
-    _check_kind(dec[3], "decoder[3]", nn.Sigmoid, "Bernoulli probabilities for the BCE")
-    return (("encoder", str(first)), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
+    if len(dec) == 4:
+        _check_kind(dec[3], "decoder[3]", nn.Sigmoid, "the decoder's output, if any")
+    paths = (("encoder", str(first)), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
+    return paths, len(dec) == 4
 
 
 def pytorch_examples_paths(model):

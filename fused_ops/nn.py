@@ -299,6 +299,8 @@ class VAE(reference.VAE):
     """
 
     _linear_paths = (("encoder", "0"), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
+    # fused_ops.vae_elbo's likelihood (from_modules sets another).
+    _likelihood = "bernoulli"
 
     def forward(self, x, eps=None):
         weights = _linear_params(_submodules(self, self._linear_paths))
@@ -306,19 +308,20 @@ class VAE(reference.VAE):
             if eps is None:
                 # The reference calls torch.randn_like(mu) with mu [B, L] of x's dtype and device.
                 eps = torch.randn_like(x.new_empty((x.shape[0], weights[2].shape[0])))
-            return ops.vae_elbo(x, eps, *weights)
+            return ops.vae_elbo(x, eps, *weights, likelihood=self._likelihood)
         x2, eps2, batch_shape = self._flatten(x, eps, weights)
-        elbo, recon, kl = ops.vae_elbo(x2, eps2, *weights)
+        elbo, recon, kl = ops.vae_elbo(x2, eps2, *weights, likelihood=self._likelihood)
         return elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape)
 
     def forward_with_outputs(self, x, eps=None):
-        """``(elbo, recon, kl, probs, mu, logvar)``: :meth:`forward`'s results
-        and the decoder's probabilities (``probs``, in x's shape: an image
-        batch gives images), ``mu`` and ``logvar`` (``[..., L]``), detached
+        """``(elbo, recon, kl, recon_x, mu, logvar)``: :meth:`forward`'s results
+        and the decoder's output (``recon_x``, in x's shape: an image batch
+        gives images), ``mu`` and ``logvar`` (``[..., L]``), detached
         (``fused_ops.vae_elbo(..., return_outputs=True)``)."""
         weights = _linear_params(_submodules(self, self._linear_paths))
         x2, eps2, batch_shape = self._flatten(x, eps, weights)
-        elbo, recon, kl, probs, mu, logvar = ops.vae_elbo(x2, eps2, *weights, return_outputs=True)
+        elbo, recon, kl, probs, mu, logvar = ops.vae_elbo(x2, eps2, *weights, likelihood=self._likelihood,
+                                                          return_outputs=True)
         latent = batch_shape + (mu.shape[-1],)
         return (elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape),
                 probs.reshape(x.shape), mu.reshape(latent), logvar.reshape(latent))
@@ -342,23 +345,35 @@ class VAE(reference.VAE):
     def extra_repr(self):
         first, head = _submodules(self, self._linear_paths[:2])
         h, i = first.weight.shape
-        return f"input_dim={i}, hidden_dim={h}, latent_dim={head.weight.shape[0]}"
+        extra = "" if self._likelihood == "bernoulli" else f", likelihood={self._likelihood}"
+        return f"input_dim={i}, hidden_dim={h}, latent_dim={head.weight.shape[0]}{extra}"
 
     @classmethod
-    def from_modules(cls, encoder, fc_mu, fc_logvar, decoder):
+    def from_modules(cls, encoder, fc_mu, fc_logvar, decoder, likelihood="bernoulli"):
         """A fused module running the user's own layers, sharing them (no
         copies): ``encoder = Sequential([Flatten(),] Linear(I, H), ReLU())``,
         ``fc_mu`` and ``fc_logvar`` ``Linear(H, L)``, ``decoder =
-        Sequential(Linear(L, H), ReLU(), Linear(H, I), Sigmoid())``, all with
-        biases.  Its parameter names are ``encoder.<k>.weight``, ``fc_mu.bias``
-        ... (the reference's when the encoder has no Flatten).  Any other
-        layer, activation, depth or width mismatch raises a ValueError naming
-        the layer (fused_ops/_vae_layouts.py)."""
-        paths = _vae_layouts.from_modules_paths(encoder, fc_mu, fc_logvar, decoder)
+        Sequential(Linear(L, H), ReLU(), Linear(H, I)[, Sigmoid()])``, all
+        with biases.  Its parameter names are ``encoder.<k>.weight``,
+        ``fc_mu.bias`` ... (the reference's when the encoder has no Flatten).
+
+        ``likelihood``: "bernoulli" -- the BCE of the decoder's Sigmoid
+        output, or BCE-with-logits of its last Linear when it has no Sigmoid
+        -- or "gaussian": ``mse_loss(decoder(z), x, reduction="sum")`` per
+        sample, the decoder's output (Sigmoid or Linear) being the mean
+        (``fused_ops.vae_elbo``'s likelihoods).  Any other layer,
+        activation, depth or width mismatch raises a ValueError naming the
+        layer (fused_ops/_vae_layouts.py)."""
+        if likelihood not in ("bernoulli", "gaussian"):
+            raise ValueError(f"likelihood must be 'bernoulli' or 'gaussian', got {likelihood!r}")
+        paths, sigmoid = _vae_layouts.from_modules_paths(encoder, fc_mu, fc_logvar, decoder)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.encoder, fused.fc_mu, fused.fc_logvar, fused.decoder = encoder, fc_mu, fc_logvar, decoder
         fused._linear_paths = paths
+        fused._likelihood = {("bernoulli", True): "bernoulli", ("bernoulli", False): "bernoulli_logits",
+                             ("gaussian", True): "gaussian_sigmoid", ("gaussian", False): "gaussian"}[
+                                 likelihood, sigmoid]
         fused.training = encoder.training
         return fused
 

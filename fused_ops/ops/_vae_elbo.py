@@ -14,7 +14,12 @@ from torch import Tensor
 from .. import _eager
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
-__all__ = ["vae_elbo"]
+__all__ = ["vae_elbo", "LIKELIHOODS"]
+
+#: The reconstruction likelihoods, by name, with the op's ``likelihood``
+#: code (csrc/common/likelihood.h): the PyTorch expression each replaces is
+#: in :func:`vae_elbo`'s docstring.
+LIKELIHOODS = {"bernoulli": 0, "bernoulli_logits": 1, "gaussian_sigmoid": 2, "gaussian": 3}
 
 _OP = torch.ops.fused_ops.vae_elbo.default
 _BACKWARD_OP = torch.ops.fused_ops.vae_elbo_backward.default
@@ -36,6 +41,7 @@ def vae_elbo(
     w_dec2: Tensor,
     b_dec2: Tensor,
     *,
+    likelihood: str = "bernoulli",
     return_outputs: bool = False,
 ) -> tuple[Tensor, ...]:
     r"""Forward pass of a one-hidden-layer VAE with reparameterisation, BCE
@@ -63,6 +69,25 @@ def vae_elbo(
         kl     = -0.5 * sum_l( 1 + logvar - mu**2 - exp(logvar) )
         elbo   = -(recon + kl)
 
+    ``likelihood`` picks the reconstruction term, with ``a`` the decoder's
+    last Linear's output (logits) and each term summed over the features,
+    exactly the PyTorch expression it replaces (per sample)::
+
+        "bernoulli"         F.binary_cross_entropy(torch.sigmoid(a), x, reduction="none").sum(-1)
+        "bernoulli_logits"  F.binary_cross_entropy_with_logits(a, x, reduction="none").sum(-1)
+        "gaussian_sigmoid"  F.mse_loss(torch.sigmoid(a), x, reduction="none").sum(-1)
+        "gaussian"          F.mse_loss(a, x, reduction="none").sum(-1)
+
+    "bernoulli" (the default) is the formula above.  The Gaussian terms are
+    the ``mse_loss(recon_x, x, reduction="sum")`` Gaussian VAEs write: a
+    Gaussian of fixed variance without its constants (another fixed sigma
+    scales the term: weight ``recon`` yourself); "gaussian_sigmoid" is for a
+    decoder ending in a Sigmoid (images in [0, 1]), "gaussian" for one ending
+    in its Linear.  The targets' range is checked (CPU) only for
+    "bernoulli", as ``binary_cross_entropy`` checks it.  Other likelihoods
+    run on the CPU and on CUDA's general path (the fast CUDA paths compute
+    the Bernoulli term only): a Gaussian VAE on CUDA is correct but slower.
+
     The clamp at -100 is PyTorch's ``binary_cross_entropy``'s: once the logit
     passes ~17, ``p`` rounds to exactly 1.0 in float32 and the clamp applies.
     In float32 each term is computed from one exp and one log (the logs of
@@ -74,9 +99,10 @@ def vae_elbo(
     nor the reconstruction are materialised.  Results are bitwise reproducible
     for the same inputs on the same device.
 
-    With ``return_outputs=True`` it returns ``(elbo, recon, kl, probs [B, I],
-    mu [B, L], logvar [B, L])``: the decoder's probabilities ``sigmoid(a)``
-    (``torch.sigmoid`` of the logits) and the latent heads, for the images,
+    With ``return_outputs=True`` it returns ``(elbo, recon, kl, recon_x [B, I],
+    mu [B, L], logvar [B, L])``: the decoder's output -- ``torch.sigmoid(a)``
+    (probabilities, or the Gaussian mean for "gaussian_sigmoid"), ``a`` itself
+    for "gaussian" -- and the latent heads, for the images,
     latents and monitoring users plot.  They carry no gradient (detached);
     gradients flow through ``elbo``, ``recon`` and ``kl`` as without them.
     On the CPU they are the kernel's own activations (the training kernel
@@ -110,40 +136,51 @@ def vae_elbo(
     compiled for.
     """
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
+    # The default likelihood is the schema's default: no scalar to box.
+    scalars = () if likelihood == "bernoulli" else (likelihood_code(likelihood),)
     if return_outputs:
-        return _with_outputs(args)
+        return _with_outputs(args, scalars)
     # x None: the op's checks name x.
     if x is not None and x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)  # names the public op
-        elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args)
+        elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args, *scalars)
         return elbo, recon, kl
-    return _eager.call(_OP, args)
+    return _eager.call(_OP, args, *scalars)
 
 
-def _with_outputs(args):
-    """``vae_elbo(*args, return_outputs=True)``: the losses, then ``probs``,
+def likelihood_code(name):
+    """The op's ``likelihood`` code of a :data:`LIKELIHOODS` name."""
+    code = LIKELIHOODS.get(name) if isinstance(name, str) else None
+    if code is None:
+        raise ValueError(f"likelihood must be one of {', '.join(map(repr, LIKELIHOODS))}, got {name!r}")
+    return code
+
+
+def _with_outputs(args, scalars):
+    """``vae_elbo(*args, return_outputs=True)``: the losses, then ``recon_x``,
     ``mu``, ``logvar`` (detached)."""
+    mean = (lambda a: a) if scalars == (LIKELIHOODS["gaussian"],) else torch.sigmoid
     x = args[0]
     if x is not None and x.is_cpu and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)
-        elbo, recon, kl, saved = _eager.call(_TRAIN_OP, args)
+        elbo, recon, kl, saved = _eager.call(_TRAIN_OP, args, *scalars)
         b, i, h, l_ = x.shape[0], x.shape[1], args[2].shape[0], args[4].shape[0]
         saved = saved.detach()
         # csrc/vae_elbo.h's VaeSavedLayout: h [B, H] | ml [B, 2L] | z [B, L] | g [B, H] | logits [B, I].
         ml = saved[b * h:b * (h + 2 * l_)].view(b, 2 * l_)
         logits = saved[b * (2 * h + 3 * l_):].view(b, i)
-        return elbo, recon, kl, torch.sigmoid(logits), ml[:, :l_].contiguous(), ml[:, l_:].contiguous()
-    elbo, recon, kl = _eager.call(_OP, args)
+        return elbo, recon, kl, mean(logits), ml[:, :l_].contiguous(), ml[:, l_:].contiguous()
+    elbo, recon, kl = _eager.call(_OP, args, *scalars)
     x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2 = (
         t.detach() for t in args)
     linear = torch.nn.functional.linear
     h = torch.relu(linear(x, w_enc, b_enc))
     mu, logvar = linear(h, w_mu, b_mu), linear(h, w_logvar, b_logvar)
     z = mu + torch.exp(0.5 * logvar) * eps
-    probs = torch.sigmoid(linear(torch.relu(linear(z, w_dec1, b_dec1)), w_dec2, b_dec2))
-    return elbo, recon, kl, probs, mu, logvar
+    recon_x = mean(linear(torch.relu(linear(z, w_dec1, b_dec1)), w_dec2, b_dec2))
+    return elbo, recon, kl, recon_x, mu, logvar
 
 
 def _recording_a_portable_graph() -> bool:
@@ -195,6 +232,12 @@ def _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_
     return b, i, h, l_
 
 
+def _check_likelihood(likelihood):
+    """csrc/vae_elbo.h's check_vae_likelihood (the likelihood code, after the tensors)."""
+    check(0 <= likelihood < len(LIKELIHOODS), "likelihood must be 0 (Bernoulli), 1 (Bernoulli from logits), ",
+          "2 (Gaussian, mean sigmoid(logits)) or 3 (Gaussian, mean = logits), got ", likelihood)
+
+
 def _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs):
     """The rules of csrc/vae_elbo_backward.h's VaeElboBackwardCall; returns ``(B, I, H, L)``."""
     sizes = _check_args(*inputs)
@@ -207,8 +250,10 @@ def _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs):
 
 
 @torch.library.register_fake("fused_ops::vae_elbo")
-def _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2):
+def _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                   likelihood=0):
     b = _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)[0]
+    _check_likelihood(likelihood)
     return x.new_empty(b), x.new_empty(b), x.new_empty(b)
 
 
@@ -223,7 +268,8 @@ def _vae_elbo_setup_context(ctx, inputs, output):
     # through vae_elbo_train, which keeps them, see vae_elbo).  An unused
     # output's gradient stays None (the backward op reads it as zero) rather
     # than a zero tensor autograd would allocate and fill.
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:12])
+    ctx.scalars = tuple(inputs[12:])  # the likelihood code, when passed
     ctx.set_materialize_grads(False)
 
 
@@ -264,12 +310,15 @@ def _vae_elbo_backward(ctx, grad_elbo, grad_recon, grad_kl):
     (elementwise epilogues, all bias gradients in one fixed-order column-sum
     launch).  No atomics anywhere: both devices are deterministic.
     """
-    return _eager.call(_BACKWARD_OP, (grad_elbo, grad_recon, grad_kl, *ctx.saved_tensors))
+    grads = _eager.call(_BACKWARD_OP, (grad_elbo, grad_recon, grad_kl, *ctx.saved_tensors), *ctx.scalars)
+    return (*grads, *(None for _ in ctx.scalars))
 
 
 @torch.library.register_fake("fused_ops::vae_elbo_backward")
-def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs):
+def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs_likelihood):
+    inputs, likelihood = inputs_likelihood[:12], (inputs_likelihood[12:] or (0,))[0]
     _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs)
+    _check_likelihood(likelihood)
     return tuple(t.new_empty(t.shape) for t in inputs)
 
 
@@ -283,8 +332,10 @@ def _vae_saved_numel(b, i, h, l_):
 
 
 @torch.library.register_fake("fused_ops::vae_elbo_train")
-def _vae_elbo_train_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2):
+def _vae_elbo_train_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                         likelihood=0):
     sizes = _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
+    _check_likelihood(likelihood)
     b = sizes[0]
     return x.new_empty(b), x.new_empty(b), x.new_empty(b), x.new_empty(_vae_saved_numel(*sizes))
 
@@ -293,7 +344,8 @@ def _vae_elbo_train_setup_context(ctx, inputs, output):
     # The inputs and the saved activations (not the losses).  Unused outputs'
     # gradients stay None, in particular the saved buffer's, which autograd
     # would otherwise fill with B * (2H + 3L + I) zeros every backward.
-    ctx.save_for_backward(*inputs, output[3])
+    ctx.save_for_backward(*inputs[:12], output[3])
+    ctx.scalars = tuple(inputs[12:])  # the likelihood code, when passed
     ctx.set_materialize_grads(False)
 
 
@@ -310,15 +362,17 @@ def _vae_elbo_train_backward(ctx, grad_elbo, grad_recon, grad_kl, _grad_saved):
         _TRAIN_BACKWARD_OP,
         (grad_elbo, grad_recon, grad_kl, *inputs, saved),
         ctx.needs_input_grad[0],
+        *ctx.scalars,
     )
-    return (grads[0] if ctx.needs_input_grad[0] else None, *grads[1:])
+    return (grads[0] if ctx.needs_input_grad[0] else None, *grads[1:], *(None for _ in ctx.scalars))
 
 
 @torch.library.register_fake("fused_ops::vae_elbo_train_backward")
 def _vae_elbo_train_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs_saved_flag):
-    *inputs, saved, compute_grad_x = inputs_saved_flag
+    inputs, (saved, compute_grad_x, *likelihood) = inputs_saved_flag[:12], inputs_saved_flag[12:]
     # csrc/cpu/vae_elbo/backward.cpp's vae_elbo_train_backward_cpu.
     expected = _vae_saved_numel(*_check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs))
+    _check_likelihood(likelihood[0] if likelihood else 0)
     check_rank(saved, "saved", 1, "[B * (2H + 3L + I)], vae_elbo_train's fourth output")
     check(saved.shape[0] == expected, "saved must hold B * (2H + 3L + I) = ", expected,
           " elements (vae_elbo_train's fourth output for these inputs), got shape ", shape_str(saved))
