@@ -8,6 +8,8 @@ accuracy, layouts, opcheck, autograd, determinism, bad inputs, CUDA streams
 and graphs) is test_contract.py's, over op_cases.IMPORTANCE_SAMPLING.
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 
 import fused_ops
 from fused_ops import reference
-from fused_test_utils import ARG_NAMES, DEVICE_PARAMS, DTYPES, describe, make_inputs, tol
+from fused_test_utils import ARG_NAMES, DEVICE_PARAMS, DTYPES, describe, make_inputs, requires_cuda, tol
 
 OUT_NAMES = ("weighted_mean", "ess", "log_weights")
 
@@ -147,3 +149,130 @@ def test_property_matches_reference(device, N, D, K, scale, std_lo, std_span, q_
     assert 1 - 1e-9 <= ess.item() <= N * (1 + 1e-9), describe(args)
     eps = 1e-9 * (1 + xmax)
     assert (mean >= x.min(0).values - eps).all() and (mean <= x.max(0).values + eps).all()
+
+
+# ---------------------------------------------------------------------------
+# Log weights without a normaliser, subnormal stds, huge identical samples:
+# on the CPU, and on CUDA with every kernel path forced.
+# ---------------------------------------------------------------------------
+
+
+def _path_params():
+    from op_cases import IMPORTANCE_SAMPLING
+
+    params = [pytest.param("cpu", None, (1000, 5, 3), id="cpu")]
+    seen = set()
+    for pc in IMPORTANCE_SAMPLING.paths:
+        N, D, K = pc.size
+        size = (min(N, 4096), D, K)
+        if (pc.path, size) not in seen:
+            seen.add((pc.path, size))
+            params.append(pytest.param("cuda", pc.path, size, id=f"cuda-{pc.path}-{'x'.join(map(str, size))}",
+                                       marks=requires_cuda))
+    return params
+
+
+PATHS = _path_params()
+
+
+def run_on(device, path, args):
+    if path is None:
+        return fused(*args)
+    from fused_ops import _paths
+
+    with _paths.force("importance_sampling", path):
+        out = fused(*args)
+    assert _paths.last("importance_sampling") == path
+    return out
+
+
+def _no_normaliser(case, args, dtype):
+    x, w, mus, stds, q_mu, q_std = [a.clone() for a in args]
+    if case == "all_weights_zero":  # every log weight -inf
+        w.zero_()
+    elif case == "inf_weight":  # every log weight +inf
+        w[0] = float("inf")
+    elif case == "inf_q_mu":  # log q = -inf: every log weight +inf
+        q_mu[1] = float("inf")
+    elif case == "inf_q_std":
+        q_std[0] = float("inf")
+    elif case == "tiny_std_overflow":  # ((x - mu) / std)^2 overflows for every sample and density
+        tiny = 1e-30 if dtype == torch.float32 else 1e-300
+        stds.fill_(tiny)
+        q_std.fill_(tiny)
+    elif case == "nan_log_weight":  # one sample's log weight NaN
+        x[3, 0] = float("nan")
+    elif case == "inf_and_finite":  # +inf log weights beside one finite one
+        q_std[0] = 1e-30 if dtype == torch.float32 else 1e-300
+        x[:, 0] = q_mu[0] + 1.0
+        x[7, 0] = q_mu[0]
+        mus[:, 0] = q_mu[0] + 1.0
+        stds[:, 0] = 1.0
+    return [x, w, mus, stds, q_mu, q_std]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize(
+    "case",
+    ["all_weights_zero", "inf_weight", "inf_q_mu", "inf_q_std", "tiny_std_overflow", "nan_log_weight",
+     "inf_and_finite"],
+)
+@pytest.mark.parametrize("device,path,size", PATHS)
+def test_no_normaliser_gives_nan(device, path, size, case, dtype):
+    # A NaN or +inf log weight, or all of them -inf: the reference's mean and
+    # ESS are NaN (its exp(lw - logsumexp) is NaN at those weights); so are
+    # the op's, and all its log weights, instead of the plain sample mean and
+    # ess = N that weights of exp(inf - inf) := 1 would give.
+    args = _no_normaliser(case, make_inputs(*size, dtype=dtype, device=device), dtype)
+    want = reference.importance_sampling(*args)
+    assert torch.isnan(want[0]).all() and torch.isnan(want[1]).all(), "the reference is not NaN"
+    got = run_on(device, path, args)
+    for name, t in zip(OUT_NAMES, got):
+        assert torch.isnan(t).all(), f"{name}: {int((~torch.isnan(t)).sum())} non-NaN elements"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("where", ["mix_stds", "q_std"])
+@pytest.mark.parametrize("device,path,size", PATHS)
+def test_subnormal_std_with_a_sample_at_the_mean(device, path, size, where, dtype):
+    # 1 / std overflows for a subnormal std; (x - mu) * inf would be NaN for a
+    # sample exactly at the mean, where the reference's (x - mu) / std is 0.
+    # The result equals the float64 evaluation of the same values.
+    N, D, K = size
+    tiny = 1e-40 if dtype == torch.float32 else 1e-310
+    x, w, mus, stds, q_mu, q_std = [a.clone() for a in make_inputs(*size, dtype=dtype, device=device)]
+    # Every sample at the mean 0 in dimension 0, one three stds away.
+    if where == "mix_stds":
+        stds[1, 0] = tiny
+        mus[1, 0] = 0.0
+    else:
+        q_std[0] = tiny
+        q_mu[0] = 0.0
+    x[:, 0] = 0.0
+    x[5, 0] = tiny * 3
+    args = [x, w, mus, stds, q_mu, q_std]
+    want = reference.importance_sampling(*args)
+    assert all(torch.isfinite(t).all() for t in want), "the reference is not finite"
+    got = run_on(device, path, args)
+    for name, t in zip(OUT_NAMES, got):
+        assert torch.isfinite(t).all(), f"{name}: {int((~torch.isfinite(t)).sum())} non-finite elements"
+    exact = reference.importance_sampling(*[a.double() for a in args])
+    assert_outputs_close(got, [t.to(dtype) for t in exact], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("value", [1e10, -3e9])
+@pytest.mark.parametrize("device,path,size", PATHS)
+def test_identical_huge_samples(device, path, size, value, dtype):
+    # N identical samples of magnitude 1e10: every normalised log weight is
+    # exactly -log N (the maximum comes off before log(sum exp) is added; the
+    # other way round it rounds away against |lw| ~ 1e19), the ESS N and the
+    # mean the sample.  The float32 reference's mean is itself off (6.4e11 for
+    # 1e10): the op matches the exact answer.
+    N, D, K = size
+    args = list(make_inputs(*size, dtype=dtype, device=device))
+    args[0] = torch.full((N, D), value, dtype=dtype, device=device)
+    mean, ess, lw = run_on(device, path, args)
+    torch.testing.assert_close(lw, torch.full_like(lw, -math.log(N)), rtol=1e-6, atol=0)
+    torch.testing.assert_close(ess, torch.tensor(float(N), dtype=dtype, device=device), rtol=1e-5, atol=0)
+    torch.testing.assert_close(mean, torch.full_like(mean, value), rtol=1e-6, atol=0)

@@ -243,3 +243,73 @@ def test_opcheck_train_pair(compute_grad_x):
     g = torch.randn(6, dtype=torch.float64)
     result = torch.library.opcheck(TRAIN_BWD, (g, None, g, *plain, saved, compute_grad_x))
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+# ---------------------------------------------------------------------------
+# NaN through the backward, and invalid targets on CUDA
+# ---------------------------------------------------------------------------
+
+
+class _BCE(torch.autograd.Function):
+    """binary_cross_entropy(p, x, reduction="none") without its range check
+    (which refuses NaN p on the CPU and asserts on the device), with its
+    backward formula, so NaN flows as in the reference's autograd."""
+
+    @staticmethod
+    def forward(ctx, p, x):
+        ctx.save_for_backward(p, x)
+        return -(x * torch.log(p).clamp_min(-100) + (1 - x) * torch.log1p(-p).clamp_min(-100))
+
+    @staticmethod
+    def backward(ctx, g):
+        p, x = ctx.saved_tensors
+        gp = g * (p - x) / ((1 - p) * p).clamp_min(1e-12)
+        gx = g * (torch.log1p(-p).clamp_min(-100) - torch.log(p).clamp_min(-100))
+        return gp, gx
+
+
+def _nan_honest_reference_grads(args):
+    """float64 gradients of sum(elbo) by autograd of the reference formula."""
+    a = [t.detach().double().requires_grad_(True) for t in args]
+    x, eps, w_enc, b_enc, w_mu, b_mu, w_lv, b_lv, w_d1, b_d1, w_d2, b_d2 = a
+    h = torch.relu(x @ w_enc.T + b_enc)
+    mu, logvar = h @ w_mu.T + b_mu, h @ w_lv.T + b_lv
+    z = mu + torch.exp(0.5 * logvar) * eps
+    p = torch.sigmoid(torch.relu(z @ w_d1.T + b_d1) @ w_d2.T + b_d2)
+    recon = _BCE.apply(p, x).sum(-1)
+    kl = -0.5 * (1 + logvar - mu**2 - torch.exp(logvar)).sum(-1)
+    (-(recon + kl)).sum().backward()
+    return [t.grad for t in a]
+
+
+def _fused_grads(args):
+    a = [t.detach().clone().requires_grad_(True) for t in args]
+    fused(*a)[0].sum().backward()
+    return [t.grad for t in a]
+
+
+NAN_SITES = [("eps", (2, 0)), ("b_dec1", (0,)), ("w_enc", (1, 3)), ("w_dec2", (5, 2)), ("b_logvar", (1,)),
+             ("x", (1, 3))]
+
+
+@pytest.mark.parametrize("site,index", NAN_SITES, ids=[s for s, _ in NAN_SITES])
+@pytest.mark.parametrize("B,I,H,L", [(9, 12, 16, 3), (2048, 64, 256, 8)], ids=["small", "B2048"])
+def test_nan_input_gives_nan_gradients_like_autograd(B, I, H, L, site, index, device):
+    # PyTorch's ReLU backward passes the gradient where the activation is NaN
+    # (threshold_backward zeroes it only where the activation is <= 0): every
+    # gradient that depends on the NaN is NaN, and the rest stays finite and
+    # equal to the reference's.  A NaN target is not a probability: the CPU
+    # raises for it (test_vae_elbo.py), so it is checked on CUDA only.
+    if site == "x" and torch.device(device).type == "cpu":
+        pytest.skip("the CPU kernel refuses a NaN target")
+    args = make_inputs(B, I, H, L, device=device)
+    i = ARG_NAMES.index(site)
+    args[i] = args[i].detach().clone()
+    args[i][index] = float("nan")
+    got, want = _fused_grads(args), _nan_honest_reference_grads(args)
+    for name, g, w in zip(ARG_NAMES, got, want):
+        assert torch.isnan(w).any() or name == "x", f"test set-up: no NaN reaches grad {name}"
+        assert torch.equal(torch.isnan(g), torch.isnan(w)), (
+            f"grad {name}: {int((torch.isnan(g) != torch.isnan(w)).sum())} elements NaN in one and not the other")
+        keep = ~torch.isnan(w)
+        torch.testing.assert_close(g[keep], w[keep].to(g.dtype), rtol=2e-3, atol=2e-3)

@@ -63,4 +63,21 @@ C10_HOST_DEVICE inline float bce_term(float a, float x) {
   return (x - 1.0f) * clamp_log(log_1mp) - x * clamp_log(log_p);
 }
 
+// Whether a target is a probability, 0 <= x <= 1 (false for NaN): the
+// target binary_cross_entropy accepts.
+template <typename T>
+C10_HOST_DEVICE inline bool is_probability(T x) {
+  return x >= T(0) && x <= T(1);
+}
+
+// bce_term, NaN for a target that is not a probability.  The CUDA kernels'
+// answer to an invalid target: the row's recon and elbo (and its gradients)
+// become NaN, without the host synchronisation a raise would cost per call.
+// The CPU kernel raises instead, as binary_cross_entropy does
+// (cpu/vae_elbo/forward.cpp).
+template <typename T>
+C10_HOST_DEVICE inline T bce_term_or_nan(T a, T x) {
+  return is_probability(x) ? bce_term(a, x) : T(NAN);
+}
+
 }  // namespace fused_ops

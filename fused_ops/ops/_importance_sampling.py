@@ -45,6 +45,18 @@ def importance_sampling(
     are normalised (``logsumexp == 0``), ready for resampling.  Results are
     bitwise reproducible for the same inputs on the same device.
 
+    Non-finite log weights: a weight of ``-inf`` (zero) is ordinary; if a log
+    weight is NaN or ``+inf``, or all of them are ``-inf`` (all mixture weights
+    zero, an infinite weight or parameter, densities underflowing everywhere),
+    there is no normaliser and every output is NaN, as the reference's mean
+    and ESS are.  The normalised log weights are computed as
+    ``(lw - max) - log(sum exp(lw - max))``, so log weights of huge magnitude
+    keep their differences: ``N`` identical samples of ``1e10`` in float32 give
+    exactly ``-log N``, the ESS ``N`` and the sample as the mean (the float32
+    reference's own mean is off there; the op matches the exact answer).
+    Subnormal stds, whose reciprocal overflows, are divided by as in the
+    reference, so a sample at the mean stays finite.
+
     On CUDA the kernel is one of several paths, picked from the sizes (and
     the build's architectures) by the op's dispatch table:
     ``fused_ops._paths.table("importance_sampling")`` lists them with their conditions.

@@ -56,8 +56,12 @@ def vae_elbo(
     The targets ``x`` must be probabilities.  On the CPU a target outside
     [0, 1] or NaN raises a RuntimeError naming ``x`` and the first such
     element, as ``binary_cross_entropy`` raises for its target (checked in
-    the kernel's BCE loop, at no extra pass over ``x``).  CUDA does not check
-    the targets' values.
+    the kernel's BCE loop, at no extra pass over ``x``).  On CUDA, where a
+    raise would cost a host synchronisation per call, such a row's ``recon``
+    and ``elbo`` are NaN (and so are the gradients that depend on them);
+    the other rows are unaffected.  NaN anywhere in the inputs propagates as
+    in the reference's autograd: the ReLU backward passes the gradient where
+    the activation is NaN.
 
     Math (exactly ``fused_ops.reference.VAE``)::
 

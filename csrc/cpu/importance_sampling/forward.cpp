@@ -29,7 +29,7 @@ struct ChunkArgs {
   const T* x;
   int64_t N, D, K, chunk;
   const T* mu;        // [K + 1, D], row K: the proposal
-  const T* inv_std;   // [K + 1, D]
+  const T* inv_std;   // [K + 1, D]: 1/std, or std itself when `divide` (see below)
   const T* log_norm;  // [K + 1]
   T* log_weights;     // [N], unnormalised here
   double* partials;   // [num_chunks, D + 3]
@@ -41,7 +41,10 @@ struct ChunkArgs {
 // log density k of sample i0 + i, and every loop runs over whole vectors of
 // independent samples, so the exp/log polynomials of neighbouring vectors
 // overlap in the pipeline.  Force-inlined into the ISA-specific entry points.
-template <typename T, int B>
+// DIVIDE: z = (x - mu) / std, the reference's division, for calls where some
+// 1/std overflows (a subnormal std): z = (x - mu) * inf would make a sample at
+// the mean 0 * inf = NaN where the reference's 0 / std is 0.
+template <typename T, int B, bool DIVIDE>
 FUSED_OPS_INLINE void chunk_range(const ChunkArgs<T>& a, int64_t c0, int64_t c1) {
   using V = cpu::Lanes<T, B>;
   using acc_t = double;
@@ -78,7 +81,8 @@ FUSED_OPS_INLINE void chunk_range(const ChunkArgs<T>& a, int64_t c0, int64_t c1)
       const T* r = a.inv_std + k * D;
       for (int64_t i = 0; i < n_padded; i += L) {
         auto sq = [&](int64_t d) {
-          const V z = (cpu::load_lanes<V>(xt.data() + d * ld + i) - m[d]) * r[d];
+          const V diff = cpu::load_lanes<V>(xt.data() + d * ld + i) - m[d];
+          const V z = DIVIDE ? diff / r[d] : diff * r[d];
           return z * z;
         };
         V a0 = {}, a1 = {}, a2 = {}, a3 = {};
@@ -149,15 +153,15 @@ FUSED_OPS_INLINE void chunk_range(const ChunkArgs<T>& a, int64_t c0, int64_t c1)
 
 // The ISA-specific entry points: baseline 16-byte vectors, and 32-byte AVX2 +
 // FMA vectors on CPUs that have them (cpu::cpu_has_avx2()).
-template <typename T>
+template <typename T, bool DIVIDE>
 void chunk_range_baseline(const ChunkArgs<T>& a, int64_t c0, int64_t c1) {
-  chunk_range<T, 16>(a, c0, c1);
+  chunk_range<T, 16, DIVIDE>(a, c0, c1);
 }
 
 #if FUSED_OPS_HAVE_AVX2_CLONE
-template <typename T>
+template <typename T, bool DIVIDE>
 FUSED_OPS_TARGET_AVX2 void chunk_range_avx2(const ChunkArgs<T>& a, int64_t c0, int64_t c1) {
-  chunk_range<T, 32>(a, c0, c1);
+  chunk_range<T, 32, DIVIDE>(a, c0, c1);
 }
 #endif
 
@@ -172,6 +176,7 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
   // densities.  1/std turns the divide of the reference into a multiply;
   // log_norm = log w_k - sum_d log std_kd (proposal: -sum_d log q_std_d).
   std::vector<scalar_t> mu((K + 1) * D), inv_std((K + 1) * D), log_norm(K + 1);
+  bool divide = false;  // some 1/std overflows: divide by std instead (chunk_range)
   for (int64_t k = 0; k <= K; ++k) {
     const scalar_t* m = k < K ? mix_mus + k * D : q_mu;
     const scalar_t* sd = k < K ? mix_stds + k * D : q_std;
@@ -179,9 +184,16 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
     for (int64_t d = 0; d < D; ++d) {
       mu[k * D + d] = m[d];
       inv_std[k * D + d] = scalar_t(1) / sd[d];
+      divide |= std::isinf(inv_std[k * D + d]) && sd[d] != scalar_t(0);
       log_det += std::log(acc_t(sd[d]));
     }
     log_norm[k] = scalar_t((k < K ? std::log(acc_t(mix_weights[k])) : 0.0) - log_det);
+  }
+  if (divide) {
+    for (int64_t k = 0; k <= K; ++k) {
+      const scalar_t* sd = k < K ? mix_stds + k * D : q_std;
+      std::copy(sd, sd + D, inv_std.begin() + k * D);
+    }
   }
 
   // Chunks: a multiple of every vector width, a transposed copy that stays in
@@ -193,9 +205,9 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
   std::vector<acc_t> partials(num_chunks * stride);
   const ChunkArgs<scalar_t> args{x, N, D, K, chunk, mu.data(), inv_std.data(), log_norm.data(),
                                  log_weights, partials.data()};
-  auto* range = &chunk_range_baseline<scalar_t>;
+  auto* range = divide ? &chunk_range_baseline<scalar_t, true> : &chunk_range_baseline<scalar_t, false>;
 #if FUSED_OPS_HAVE_AVX2_CLONE
-  if (cpu::cpu_has_avx2()) range = &chunk_range_avx2<scalar_t>;
+  if (cpu::cpu_has_avx2()) range = divide ? &chunk_range_avx2<scalar_t, true> : &chunk_range_avx2<scalar_t, false>;
 #endif
   torch::stable::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) { range(args, c0, c1); });
 
@@ -212,13 +224,22 @@ void importance_sampling_kernel(const scalar_t* x, const scalar_t* mix_weights,
     sum_sq += part[2] * scale * scale;
     for (int64_t d = 0; d < D; ++d) wsum[d] += part[3 + d] * scale;
   }
-  for (int64_t d = 0; d < D; ++d) weighted_mean[d] = scalar_t(wsum[d] / total.sum);
+  // A NaN or +inf log weight, or all of them -inf, leaves no normaliser: every
+  // output is NaN, as the reference's mean and ESS are (its exp(lw - logsumexp)
+  // is NaN at the +inf or all -inf weights).
+  const bool defined = std::isfinite(total.max);
+  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  for (int64_t d = 0; d < D; ++d) weighted_mean[d] = scalar_t(defined ? wsum[d] / total.sum : nan);
   // sum_i w_i^2 = sum_sq / total.sum^2 with w_i = exp(lw_i - max) / total.sum.
-  *ess = scalar_t(total.sum * total.sum / sum_sq);
+  *ess = scalar_t(defined ? total.sum * total.sum / sum_sq : nan);
 
-  const scalar_t log_norm_const = scalar_t(total.value());
+  // log w_i = (lw_i - max) - log(sum): the maximum comes off first, so huge
+  // log weights keep their differences (max + log(sum) would round log(sum)
+  // away once |max| is beyond 2^24 log(sum) in float32).
+  const scalar_t max = scalar_t(total.max);
+  const scalar_t log_sum = scalar_t(defined ? std::log(total.sum) : nan);
   torch::stable::parallel_for(0, N, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) log_weights[i] -= log_norm_const;
+    for (int64_t i = i0; i < i1; ++i) log_weights[i] = (log_weights[i] - max) - log_sum;
   });
 }
 

@@ -131,10 +131,11 @@ void block(const BwdArgs<T>& a, int64_t c) {
       if (gxr) gxr[i] = (has_recon && dr != T(0)) ? -std::log(p / q) * dr : T(0);
     }
   }
-  // ---- decoder backward
+  // ---- decoder backward (the ReLU masks zero the gradient where the
+  // activation is <= 0 and pass it at NaN, as PyTorch's threshold_backward)
   matmul(ga3, I, 1, a.w_dec2, H, 1, ga2, H, rows, H, I);
   for (int64_t k = 0; k < rows * H; ++k)
-    if (!(g[k] > T(0))) ga2[k] = T(0);
+    if (g[k] <= T(0)) ga2[k] = T(0);
   matmul(ga2, H, 1, a.w_dec1, L, 1, gz.data(), L, rows, L, H);
   // ---- reparameterisation + KL backward
   for (int64_t r = 0; r < rows; ++r) {
@@ -156,7 +157,7 @@ void block(const BwdArgs<T>& a, int64_t c) {
   // ---- encoder backward
   matmul(gml, 2 * L, 1, a.w_mulv, H, 1, ga1, H, rows, H, 2 * L);
   for (int64_t k = 0; k < rows * H; ++k)
-    if (!(h[k] > T(0))) ga1[k] = T(0);
+    if (h[k] <= T(0)) ga1[k] = T(0);
   if (a.gx) {
     matmul(ga1, H, 1, a.w_enc, I, 1, t.data(), I, rows, I, H);
     for (int64_t k = 0; k < rows * I; ++k) gx[k] += t[k];

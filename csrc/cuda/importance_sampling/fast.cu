@@ -24,11 +24,58 @@
 namespace fused_ops {
 namespace {
 
+// The rows of one group when some std is subnormal (std_overflows): z =
+// (x - mu) / std with the parameters as prepare_parameters(divide) stores
+// them, x read from global memory, lanes striding over d; the group's
+// weighted sums go straight to its row `wsum` of shared memory.
+template <typename T>
+__device__ __forceinline__ GroupState<T> rows_dividing(const Args<T>& a, const T* mu, const T* std_,
+                                                    const T* q_mu, const T* q_std, const T* log_norm,
+                                                    int stride, int G, int lane_in_group,
+                                                    int64_t my_group, int64_t total_groups,
+                                                    int64_t warp_first_group, T* wsum) {
+  const int D = a.D, K = a.K;
+  for (int d = lane_in_group; d < D; d += G) wsum[d] = 0;
+  GroupState<T> state;
+  for (int64_t base = 0; warp_first_group + base < a.N; base += total_groups) {
+    const int64_t i = my_group + base;
+    const bool valid = i < a.N;
+    const T* xi = a.x + (valid ? i : 0) * D;
+    auto group_sum_sq = [&](const T* mu_k, const T* std_k) {
+      T acc = 0;
+      for (int d = lane_in_group; d < D; d += G) {
+        const T z = (xi[d] - mu_k[d]) / std_k[d];
+        acc += z * z;
+      }
+      return cuda::group_allreduce(acc, G);
+    };
+    LogSumExp<T> log_p = LogSumExp<T>::empty();
+    for (int k = 0; k < K; ++k) {
+      log_p.push(T(-0.5) * group_sum_sq(mu + int64_t(k) * stride, std_ + int64_t(k) * stride) + log_norm[k]);
+    }
+    const T log_q = T(-0.5) * group_sum_sq(q_mu, q_std) + log_norm[K];
+    if (!valid) continue;
+    const T lw = log_p.value() - log_q;
+    if (lane_in_group == 0) a.log_weights[i] = lw;
+    T e;
+    const T scale = state.push(lw, e);
+    for (int d = lane_in_group; d < D; d += G) wsum[d] = wsum[d] * scale + e * xi[d];
+  }
+  return state;
+}
+
+// Blocks per SM the register allocation must allow.  The float32 kernel for
+// short vectorised rows (D <= 16, one thread per row) fits three blocks of
+// 256 threads in 80 registers, and keeps them only if asked: the dividing
+// loop beside the main one would otherwise take it to two.
+template <typename T, int VEC, bool SINGLE>
+constexpr int kMinBlocks = (sizeof(T) == 4 && VEC > 1 && SINGLE) ? 3 : 1;
+
 // VEC: elements per load (16 bytes, or 1 when D or the pointer does not allow
 // it); CH: chunks of VEC a lane holds (CH * VEC = kLaneElems); SINGLE: one
 // thread per row (D <= kLaneElems), so no shuffles at all.
 template <typename T, int VEC, int CH, bool SINGLE>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks<T, VEC, SINGLE>)
 importance_sampling_fast_kernel(const Args<T> a) {
   using V = Vec<T, VEC>;
   constexpr int E = CH * VEC;  // row elements per lane
@@ -77,7 +124,8 @@ importance_sampling_fast_kernel(const Args<T> a) {
   T* group_wsum = carve<T>(p, int64_t(groups) * D);
   BlockScratch<T> scratch{carve<T>(p, groups), carve<T>(p, groups), carve<T>(p, groups),
                           carve<T>(p, groups)};
-  prepare_parameters(a, stride, mu, inv_std, q_mu, q_inv_std, log_norm, threadIdx.x, blockDim.x);
+  const bool divide = std_overflows(a);
+  prepare_parameters(a, stride, mu, inv_std, q_mu, q_inv_std, log_norm, threadIdx.x, blockDim.x, divide);
   __syncthreads();
 
   // Sum over the row of ((x - mu) * inv_std)^2 for one parameter row.  Two
@@ -107,7 +155,11 @@ importance_sampling_fast_kernel(const Args<T> a) {
   for (int e = 0; e < E; ++e) wsum[e] = 0;
 
   // The loop bound is uniform across the warp (shuffles need all lanes).
-  for (int64_t base = 0; warp_first_group + base < a.N; base += total_groups) {
+  if (divide) {
+    state = rows_dividing(a, mu, inv_std, q_mu, q_inv_std, log_norm, stride, G, lane_in_group, my_group,
+                          total_groups, warp_first_group, group_wsum + int64_t(group) * D);
+  }
+  for (int64_t base = 0; !divide && warp_first_group + base < a.N; base += total_groups) {
     const int64_t i = my_group + base;
     T next[E];
     load_row(i + total_groups, next);
@@ -138,7 +190,7 @@ importance_sampling_fast_kernel(const Args<T> a) {
 #pragma unroll
   for (int j = 0; j < CH; ++j) {
     const int c = lane_in_group + j * G;
-    if (c < num_chunks) {
+    if (!divide && c < num_chunks) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) group_wsum[int64_t(group) * D + c * VEC + e] = wsum[j * VEC + e];
     }

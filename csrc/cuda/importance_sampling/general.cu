@@ -40,9 +40,10 @@ __global__ void __launch_bounds__(kThreads) importance_sampling_general_kernel(c
   T* inv_std = a.prepared;
   T* q_inv_std = inv_std + KD;
   T* log_norm = q_inv_std + D;
+  const bool divide = std_overflows(a);
   prepare_parameters<T>(a, D, nullptr, inv_std, nullptr, q_inv_std, log_norm,
                         int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
-                        int64_t(gridDim.x) * blockDim.x);
+                        int64_t(gridDim.x) * blockDim.x, divide);
 
   const int64_t total_groups = int64_t(gridDim.x) * groups;
   const int64_t my_group = int64_t(blockIdx.x) * groups + group;
@@ -59,7 +60,8 @@ __global__ void __launch_bounds__(kThreads) importance_sampling_general_kernel(c
     auto group_sum_sq = [&](const T* mu_k, const T* inv_k) {
       T acc = 0;
       for (int d = lane_in_group; d < D; d += G) {
-        const T z = (xi[d] - mu_k[d]) * inv_k[d];
+        const T diff = xi[d] - mu_k[d];
+        const T z = divide ? diff / inv_k[d] : diff * inv_k[d];  // inv_k: std when dividing
         acc += z * z;
       }
       return cuda::group_allreduce(acc, G);

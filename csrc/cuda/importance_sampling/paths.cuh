@@ -71,6 +71,27 @@ struct Args {
   T* group_wsum;            // general path: per-group sum exp(lw - m) x, [groups, D]
 };
 
+// Subnormal stds.  1/std overflows below 2^-128 (float32; 2^-1024 float64),
+// and z = (x - mu) * inf would make a sample at the mean 0 * inf = NaN where
+// the reference's (x - mu) / std is 0, and a sample near it inf where the
+// reference's quotient is finite.  Calls with such a std divide by std, as the
+// reference does; others multiply by 1/std.  The fast kernel runs the
+// dividing case in a separate, plain loop (fast.cu), so the common case keeps
+// its registers (a second copy of the register-resident loop, or one more
+// operand per element, costs it occupancy).  std = 0 gives the reference's
+// inf or NaN either way.  std_overflows: whether some 1/std of the call
+// overflows, block-uniform (every block scans all stds, so the grid agrees).
+template <typename T>
+__device__ bool std_overflows(const Args<T>& a) {
+  const int64_t KD = int64_t(a.K) * a.D;
+  bool found = false;
+  for (int64_t j = threadIdx.x; j < KD + a.D; j += blockDim.x) {
+    const T sd = j < KD ? a.mix_stds[j] : a.q_std[j - KD];
+    found |= sd != T(0) && isinf(T(1) / sd);
+  }
+  return __syncthreads_or(found);
+}
+
 // Mixture parameters in the form the inner loop wants: z = (x - mu) * inv_std,
 // log-normaliser log w_k - sum_d log std_kd (index K: the proposal's,
 // -sum_d log q_std_d).  Fills inv_std / q_inv_std / log_norm (and copies mu /
@@ -79,16 +100,19 @@ struct Args {
 // (mu = inv_std = 0 makes a zero-padded x contribute exactly 0), which lets
 // the fast kernel read whole chunks without bounds checks.  Each
 // log-normaliser is summed by one warp in a fixed order.
+//
+// `divide` (std_overflows): store std itself in inv_std (padding 1).
 template <typename T>
 __device__ void prepare_parameters(const Args<T>& a, int stride, T* mu, T* inv_std, T* q_mu,
-                                   T* q_inv_std, T* log_norm, int64_t tid, int64_t num_threads) {
+                                   T* q_inv_std, T* log_norm, int64_t tid, int64_t num_threads,
+                                   bool divide) {
   const int D = a.D;
   for (int64_t j = tid; j < int64_t(a.K + 1) * stride; j += num_threads) {
     const int64_t k = j / stride;
     const int d = int(j - k * stride);
     const bool is_q = k == a.K, inside = d < D;
     const T sd = inside ? (is_q ? a.q_std[d] : a.mix_stds[k * D + d]) : T(0);
-    const T inv = inside ? T(1) / sd : T(0);
+    const T inv = divide ? (inside ? sd : T(1)) : (inside ? T(1) / sd : T(0));
     (is_q ? q_inv_std[d] : inv_std[j]) = inv;
     if (mu) (is_q ? q_mu[d] : mu[j]) = inside ? (is_q ? a.q_mu[d] : a.mix_mus[k * D + d]) : T(0);
   }
@@ -189,10 +213,17 @@ __device__ void finish(const Args<T>& a, T* reduce_scratch_t, LogSumExp<T>* redu
   for (int b = tid; b < num_blocks; b += blockDim.x) total = LogSumExp<T>::merge(total, a.block_lse[b]);
   total = cuda::block_allreduce(total, reduce_scratch_lse, cuda::MergeLogSumExp{});
 
-  const T log_norm = total.value();
+  // A NaN or +inf log weight, or all of them -inf, leaves no normaliser: every
+  // output is NaN, as the reference's mean and ESS are.
+  const bool defined = isfinite(total.max);
+  const T nan = T(NAN);
+  // log w_i = (lw_i - max) - log(sum): the maximum comes off first, so huge
+  // log weights keep their differences (max + log(sum) would round log(sum)
+  // away once |max| is beyond 2^24 log(sum) in float32).
+  const T log_sum = defined ? std::log(total.sum) : nan;
   const int64_t stride = int64_t(num_blocks) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + tid; i < a.N; i += stride) {
-    a.log_weights[i] -= log_norm;
+    a.log_weights[i] = (a.log_weights[i] - total.max) - log_sum;
   }
   // Weighted mean: dimensions spread over blocks, block partials rescaled to the global max.
   for (int d = blockIdx.x; d < a.D; d += num_blocks) {
@@ -201,7 +232,7 @@ __device__ void finish(const Args<T>& a, T* reduce_scratch_t, LogSumExp<T>* redu
       acc += a.block_wsum[int64_t(d) * num_blocks + b] * rel_exp(a.block_lse[b].max, total.max);
     }
     acc = cuda::block_allreduce(acc, reduce_scratch_t);
-    if (tid == 0) a.weighted_mean[d] = acc / total.sum;
+    if (tid == 0) a.weighted_mean[d] = defined ? acc / total.sum : nan;
   }
   if (blockIdx.x == num_blocks - 1) {
     T acc = 0;
@@ -211,7 +242,7 @@ __device__ void finish(const Args<T>& a, T* reduce_scratch_t, LogSumExp<T>* redu
     }
     acc = cuda::block_allreduce(acc, reduce_scratch_t);
     // sum_i w_i^2 = acc / total.sum^2 with w_i = exp(lw_i - max) / total.sum.
-    if (tid == 0) *a.ess = total.sum * total.sum / acc;
+    if (tid == 0) *a.ess = defined ? total.sum * total.sum / acc : nan;
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "common/bce.h"
 #include "cuda/primitives/runtime.cuh"
 #include "vae_elbo_backward.h"
 
@@ -67,9 +68,13 @@ struct BceBackward {
     const T q = T(1) - p;
     const T qp = q * p;
     const T den = qp < T(1e-12) ? T(1e-12) : qp;
-    const T gp = dr * (p - x[b * I + i]) / den;
-    ga3[b * I + i] = gp * q * p;
-    gx[b * I + i] = dr != T(0) ? -dlog(p / q) * dr : T(0);
+    const T xv = x[b * I + i];
+    const T gp = dr * (p - xv) / den;
+    // NaN for a target that is not a probability, as the forward's
+    // bce_term_or_nan (common/bce.h).
+    const bool valid = is_probability(xv);
+    ga3[b * I + i] = valid ? gp * q * p : T(NAN);
+    gx[b * I + i] = valid ? (dr != T(0) ? -dlog(p / q) * dr : T(0)) : T(NAN);
   }
 };
 
@@ -110,14 +115,16 @@ struct AddBiasRelu {
   }
 };
 
-// ReLU backward on the ReLU's output `act` (same layout as c).
+// ReLU backward on the ReLU's output `act` (same layout as c): zero where
+// act <= 0, the gradient elsewhere, NaN activations included, as PyTorch's
+// threshold_backward passes it.
 template <typename T>
 struct ReluMask {
   T* c;
   int64_t ldc;
   const T* act;
   __device__ void operator()(int64_t m, int64_t n, T v) const {
-    c[m * ldc + n] = act[m * ldc + n] > T(0) ? v : T(0);
+    c[m * ldc + n] = act[m * ldc + n] <= T(0) ? T(0) : v;
   }
 };
 

@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_cluster_kernel(const Args<f
       gs, H, si.end - si.begin, [&](int n) { return a.w_d2 + size_t(si.begin + n) * H; },
       [&](int r, int n, float v) {
         const int i = si.begin + n;
-        racc += bce_term(v + __ldg(a.b_d2 + i), xs[r * I + i]);
+        racc += bce_term_or_nan(v + __ldg(a.b_d2 + i), xs[r * I + i]);
       });
   {
     const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;

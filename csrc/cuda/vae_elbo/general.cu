@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
   T part = T(0);  // lane 0 of each warp: its neurons' BCE terms, in order
   for (int i = warp; i < I; i += kWarps) {
     const T v = dot(g, a.w_d2 + int64_t(i) * H, H) + a.b_d2[i];
-    if (lane == 0) part += bce_term(v, x[i]);
+    if (lane == 0) part += bce_term_or_nan(v, x[i]);
   }
   const T recon = cuda::block_allreduce(part, scratch);
   if (threadIdx.x == 0) {

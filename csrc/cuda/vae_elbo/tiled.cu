@@ -204,7 +204,7 @@ __device__ __forceinline__ void decoder_pass(float (&rsum)[2 * kMT], const Args<
   // A branch, not a select as in the wgmma kernel: with selects ptxas
   // hoisted all 64 terms' x and bias loads and spilled (176 bytes, sm_80).
   for_each_acc(acc, tile0 * 8, [&](int r, int n, float v) {
-    if (n < a.I && r < rows) rsum[r / 8] += bce_term(v + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
+    if (n < a.I && r < rows) rsum[r / 8] += bce_term_or_nan(v + __ldg(a.b_d2 + n), __ldg(a.x + size_t(row0 + r) * a.I + n));
   });
 }
 

@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
 #pragma unroll
       for (int i = 0; i < NP / 4; ++i) {
         const int r = r0 + 8 * ((i / 2) % 2), n = n0 + 8 * (i / 4) + i % 2;
-        const float t = bce_term(dacc[i] + bias[i / 4 * 2 + i % 2], xin[i]);
+        const float t = bce_term_or_nan(dacc[i] + bias[i / 4 * 2 + i % 2], xin[i]);
         rsum[(i / 2) % 2] += (r < rows && n < I) ? t : 0.0f;  // a select: the terms interleave
       }
     };
