@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/likelihood.h"
 
 namespace fused_ops {
 
@@ -74,10 +75,20 @@ inline VaeElboSizes check_vae_elbo_args(const Tensor& x, const Tensor& eps,
 
 using VaeElboResult = std::tuple<Tensor, Tensor, Tensor>;
 
+// The likelihood argument (common/likelihood.h), checked after the tensors;
+// fused_ops/ops/_vae_elbo.py's _check_likelihood has the same message.
+inline int64_t check_vae_likelihood(int64_t likelihood) {
+  FUSED_OPS_CHECK(likelihood >= 0 && likelihood < kNumVaeLikelihoods,
+                  "likelihood must be 0 (Bernoulli), 1 (Bernoulli from logits), 2 (Gaussian, mean "
+                  "sigmoid(logits)) or 3 (Gaussian, mean = logits), got ", likelihood);
+  return likelihood;
+}
+
 // One call's checked sizes and contiguous inputs: what the forward and the
 // backward wrappers (vae_elbo_backward.h) both start from.
 struct VaeElboInputs {
   int64_t B, I, H, L;
+  int64_t likelihood = kBernoulli;  // set by the wrappers (check_vae_likelihood)
   Tensor x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2;
 
   VaeElboInputs(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_, const Tensor& b_enc_,

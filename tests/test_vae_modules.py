@@ -100,8 +100,8 @@ def test_examples_training_curve(device):
     opt_ref = torch.optim.Adam(model.parameters(), lr=1e-3)
     opt = torch.optim.Adam(mine.parameters(), lr=1e-3)
     want, got = [], []
-    for _ in range(20):
-        x = torch.rand(32, 1, 14, 14, device=device)
+    x = torch.rand(32, 1, 14, 14, device=device)
+    for _ in range(20):  # one batch, fresh noise: the loss must go down
         eps = torch.randn(32, 8, device=device)
         loss = _examples_loss(model, x, eps)
         opt_ref.zero_grad()

@@ -3,7 +3,9 @@
 // the decoder's logit (its last Linear's output) and x the target:
 //
 //   0 kBernoulli          BCE of p = sigmoid(a), PyTorch's clamp (common/bce.h):
-//                         F.binary_cross_entropy(torch.sigmoid(a), x)
+//                         F.binary_cross_entropy(torch.sigmoid(a), x); NaN for a
+//                         target outside [0, 1] (bce_term_or_nan: CUDA's answer,
+//                         the CPU kernel raises before)
 //   1 kBernoulliLogits    F.binary_cross_entropy_with_logits(a, x)
 //                         = (1 - x) a - log_sigmoid(a), no clamp
 //   2 kGaussianSigmoid    F.mse_loss(torch.sigmoid(a), x): (p - x)^2
@@ -64,7 +66,7 @@ C10_HOST_DEVICE inline T recon_term(int64_t likelihood, T a, T x) {
       return d * d;
     }
     default:
-      return bce_term(a, x);
+      return bce_term_or_nan(a, x);
   }
 }
 
@@ -94,8 +96,9 @@ C10_HOST_DEVICE inline void recon_backward(int64_t likelihood, T a, T x, T d, T&
       const T q = T(1) - p;
       const T qp = q * p;
       const T den = qp < T(1e-12) ? T(1e-12) : qp;
-      ga = d * (p - x) / den * q * p;
-      gx = d != T(0) ? -std::log(p / q) * d : T(0);
+      const bool valid = is_probability(x);  // as bce_term_or_nan
+      ga = valid ? d * (p - x) / den * q * p : T(NAN);
+      gx = valid ? (d != T(0) ? -std::log(p / q) * d : T(0)) : T(NAN);
     }
   }
 }

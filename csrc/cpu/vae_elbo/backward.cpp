@@ -16,6 +16,8 @@
 //   ga2  = (ga3 @ w_dec2) * (g > 0);   gz = ga2 @ w_dec1
 //   gmu  = gz + d_kl * mu;   glv = 0.5 * (gz * eps * std) + (-0.5 d_kl) * (1 - exp(logvar))
 //   geps = gz * std;   ga1 = ([gmu, glv] @ [w_mu; w_logvar]) * (h > 0);   gx += ga1 @ w_enc
+// (for a likelihood other than the Bernoulli default, ga3 and gx are
+// common/likelihood.h's recon_backward instead of the first two lines).
 // The per-sample tensors the weight gradients need (ga3, g, ga2, z, [gmu,
 // glv], h, ga1) go to batch-sized buffers.
 // Stage 2: every weight gradient is ONE product over all rows (a^T @ b read
@@ -31,6 +33,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/likelihood.h"
 #include "common/matmul.h"
 #include "vae_elbo_backward.h"
 
@@ -52,6 +55,7 @@ struct BwdArgs {
   // instead of recomputed; nullptr for vae_elbo_backward.  h, g and z above
   // then point into it (read only).
   const T* saved;
+  int64_t likelihood;  // common/likelihood.h
 };
 
 template <typename T>
@@ -119,6 +123,15 @@ void block(const BwdArgs<T>& a, int64_t c) {
     const T* lr = logits + r * I;  // == gar when recomputed (then still without bias)
     T* gxr = a.gx ? gx + r * I : nullptr;
     const T* xr = x + r * I;
+    if (a.likelihood != kBernoulli) {  // common/likelihood.h's gradients, scalar
+      for (int64_t i = 0; i < I; ++i) {
+        const T av = recompute ? lr[i] + a.b_dec2[i] : lr[i];
+        T gxv;
+        recon_backward(a.likelihood, av, xr[i], dr, gar[i], gxv);
+        if (gxr) gxr[i] = dr != T(0) ? gxv : T(0);
+      }
+      continue;
+    }
     for (int64_t i = 0; i < I; ++i) {
       const T av = recompute ? lr[i] + a.b_dec2[i] : lr[i];
       const T p = T(1) / (T(1) + std::exp(-av));
@@ -216,7 +229,8 @@ void vae_elbo_backward_kernel(const VaeElboBackwardCall& c, const T* saved = nul
                B, I, H, L,
                ga3.data(), g_ptr, ga2.data(), z_ptr, gml.data(), h_ptr, ga1.data(),
                c.gx.numel() ? mdata<T>(c.gx) : nullptr, mdata<T>(c.geps),
-               saved};
+               saved,
+               c.likelihood};
   const int64_t blocks = (B + kRows - 1) / kRows;
   torch::stable::parallel_for(0, blocks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t k = c0; k < c1; ++k) block(a, k);
@@ -239,9 +253,10 @@ VaeElboBackwardResult vae_elbo_backward_cpu(
     const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
     const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
-    const Tensor& b_dec2) {
+    const Tensor& b_dec2, int64_t likelihood) {
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2);
+  c.likelihood = check_vae_likelihood(likelihood);
   dispatch_float(x.scalar_type(), [&](auto zero) { vae_elbo_backward_kernel<decltype(zero)>(c); });
   return c.result();
 }
@@ -251,9 +266,10 @@ VaeElboBackwardResult vae_elbo_train_backward_cpu(
     const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
     const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
-    const Tensor& b_dec2, const Tensor& saved, bool compute_grad_x) {
+    const Tensor& b_dec2, const Tensor& saved, bool compute_grad_x, int64_t likelihood) {
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, compute_grad_x);
+  c.likelihood = check_vae_likelihood(likelihood);
   const int64_t expected = VaeSavedLayout(c.B, c.I, c.H, c.L).total;
   check_rank(saved, "saved", 1, "[B * (2H + 3L + I)], vae_elbo_train's fourth output");
   FUSED_OPS_CHECK(saved.size(0) == expected, "saved must hold B * (2H + 3L + I) = ", expected,

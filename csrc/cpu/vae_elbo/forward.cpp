@@ -23,6 +23,9 @@
 // scalar libm route, so saturated and denormal probabilities clamp exactly as
 // PyTorch's do.
 //
+// Other likelihoods (the op's likelihood argument, common/likelihood.h) take
+// a scalar loop over the logits with row sums in double, and no target check.
+//
 // The targets must be probabilities, x in [0, 1], as binary_cross_entropy
 // requires of its target: the BCE loop checks each element as it reads it
 // (NaN fails the check) and the call raises, naming the first offending
@@ -40,6 +43,7 @@
 #include <vector>
 
 #include "common/bce.h"
+#include "common/likelihood.h"
 #include "common/matmul.h"
 #include "cpu/vec_math.h"
 #include "vae_elbo.h"
@@ -56,6 +60,7 @@ struct Args {
   T *elbo, *recon, *kl;
   T* saved;  // vae_elbo_train: the activations, laid out as VaeSavedLayout; else nullptr
   uint8_t* bad_target;  // [blocks]: set to 1 for a block with a target outside [0, 1] or NaN
+  int64_t likelihood;   // common/likelihood.h; only kBernoulli checks the targets
 };
 
 // Whether a target is a probability: 0 <= v <= 1, false for NaN (the
@@ -156,6 +161,15 @@ FUSED_OPS_INLINE double bce_row(const T* a, const T* x, int64_t I, bool& ok) {
   }
 }
 
+// Sum over one row of the reconstruction term of a likelihood other than
+// kBernoulli (common/likelihood.h), scalar, in double.
+template <typename T>
+double recon_row(int64_t likelihood, const T* a, const T* x, int64_t I) {
+  double s = 0;
+  for (int64_t i = 0; i < I; ++i) s += double(recon_term(likelihood, a[i], x[i]));
+  return s;
+}
+
 // v[i] = exp(v[i]): vector polynomial for float32 (libm outside its range
 // and for the tail), libm for float64.
 template <typename T, int VB>
@@ -230,7 +244,8 @@ FUSED_OPS_INLINE void block_range(const Args<T>& a, int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < rows; ++r) {
       T* lr = logits.data() + r * I;
       for (int64_t i = 0; i < I; ++i) lr[i] += a.b_dec2[i];
-      const T recon = T(bce_row<T, VB>(lr, x + r * I, I, targets_ok));
+      const T recon = a.likelihood == kBernoulli ? T(bce_row<T, VB>(lr, x + r * I, I, targets_ok))
+                                                 : T(recon_row(a.likelihood, lr, x + r * I, I));
       a.recon[r0 + r] = recon;
       a.elbo[r0 + r] = -(recon + a.kl[r0 + r]);
     }
@@ -295,7 +310,7 @@ void vae_elbo_kernel(const VaeElboCall& c, T* saved = nullptr) {
                   w_mulv.data(),      b_mulv.data(),      cdata<T>(c.w_dec1), cdata<T>(c.b_dec1),
                   cdata<T>(c.w_dec2), cdata<T>(c.b_dec2), c.B,               c.I,
                   c.H,                c.L,                mdata<T>(c.elbo),  mdata<T>(c.recon),
-                  mdata<T>(c.kl),     saved,             bad_target.data()};
+                  mdata<T>(c.kl),     saved,             bad_target.data(), c.likelihood};
   auto* range = &block_range_baseline<T>;
 #if FUSED_OPS_HAVE_AVX2_CLONE
   if (cpu::cpu_has_avx2()) range = &block_range_avx2<T>;
@@ -307,9 +322,11 @@ void vae_elbo_kernel(const VaeElboCall& c, T* saved = nullptr) {
 VaeElboResult vae_elbo_cpu(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
                            const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
                            const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
-                           const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2) {
+                           const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2,
+                           int64_t likelihood) {
   VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
                 b_dec2);
+  c.likelihood = check_vae_likelihood(likelihood);
   dispatch_float(x.scalar_type(), [&](auto zero) { vae_elbo_kernel<decltype(zero)>(c); });
   return c.result();
 }
@@ -318,9 +335,11 @@ VaeElboTrainResult vae_elbo_train_cpu(const Tensor& x, const Tensor& eps, const 
                                       const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
                                       const Tensor& w_logvar, const Tensor& b_logvar,
                                       const Tensor& w_dec1, const Tensor& b_dec1,
-                                      const Tensor& w_dec2, const Tensor& b_dec2) {
+                                      const Tensor& w_dec2, const Tensor& b_dec2,
+                                      int64_t likelihood) {
   VaeElboTrainCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
                      b_dec2);
+  c.likelihood = check_vae_likelihood(likelihood);
   dispatch_float(x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     vae_elbo_kernel<T>(c, mdata<T>(c.saved));

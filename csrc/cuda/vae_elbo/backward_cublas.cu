@@ -155,7 +155,7 @@ void run_cublas(const VaeElboBackwardCall& c) {
 
   // ---- decoder backward
   cuda::apply_epilogue(stream, a3, I, B, I,
-                       BceBackward<T>{cdata<T>(c.b_dec2), x, g_elbo, g_recon, a3, gx, I});
+                       BceBackward<T>{cdata<T>(c.b_dec2), x, g_elbo, g_recon, a3, gx, I, c.likelihood});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   matmul(static_cast<const T*>(a3), 1, I, static_cast<const T*>(g), H, 1, gw_d2, H, I, H, B, dev);
   matmul(static_cast<const T*>(a3), I, 1, w_d2, H, 1, ga2, H, B, H, I, dev);

@@ -46,10 +46,11 @@ VaeElboBackwardResult vae_elbo_backward_cuda(
     const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
     const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
-    const Tensor& b_dec2) {
+    const Tensor& b_dec2, int64_t likelihood) {
   const cuda::TensorDeviceGuard guard(x);
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2);
+  c.likelihood = check_vae_likelihood(likelihood);
   FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
   dispatch_float(x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);

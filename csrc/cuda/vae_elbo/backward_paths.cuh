@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common/bce.h"
+#include "common/likelihood.h"
 #include "cuda/primitives/runtime.cuh"
 #include "vae_elbo_backward.h"
 
@@ -55,15 +56,23 @@ __device__ __forceinline__ T upstream(const T* g_elbo, const T* g_other, int64_t
 // Element (b, i) of the logits before their bias -> the gradient at the
 // logits (BCE backward with PyTorch's clamp, then sigmoid backward) into ga3
 // and BCE's target gradient -logit(p) * d_recon into gx (zero where d_recon
-// is zero).  Both paths: a tile epilogue, and cuda::apply_epilogue after cuBLAS.
+// is zero); for another likelihood, common/likelihood.h's recon_backward.
+// Both paths: a tile epilogue, and cuda::apply_epilogue after cuBLAS.
 template <typename T>
 struct BceBackward {
   const T *b_dec2, *x, *g_elbo, *g_recon;
   T *ga3, *gx;
   int64_t I;
+  int64_t likelihood;
   __device__ void operator()(int64_t b, int64_t i, T v) const {
     const T dr = upstream(g_elbo, g_recon, b);
     const T a = v + b_dec2[i];
+    if (likelihood != kBernoulli) {
+      T gxv;
+      recon_backward(likelihood, a, x[b * I + i], dr, ga3[b * I + i], gxv);
+      gx[b * I + i] = dr != T(0) ? gxv : T(0);
+      return;
+    }
     const T p = T(1) / (T(1) + dexp(-a));
     const T q = T(1) - p;
     const T qp = q * p;

@@ -52,6 +52,7 @@ struct PersistentArgs {
   T *gx, *geps, *gw_enc, *gb_enc, *gw_mu, *gb_mu, *gw_lv, *gb_lv, *gw_d1, *gb_d1, *gw_d2, *gb_d2;
   // workspace: h, g, ga2, ga1 [B, H]; ml, gml [B, 2L]; z [B, L]; ga3 [B, I]; w_mulv [2L, H]
   T *h, *ml, *z, *g, *ga3, *ga2, *gml, *ga1, *w_mulv;
+  int64_t likelihood;  // common/likelihood.h
 };
 
 // The nine phases of the header comment; grid.sync() between them.
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(cuda::kTileThreads)
   grid.sync();
 
   run_phase(smem, gemm_job(V{p.g, H, 1}, V{p.w_d2, 1, H}, B, I, H,
-                           BceBackward<T>{p.b_d2, p.x, p.g_elbo, p.g_recon, p.ga3, p.gx, I}));
+                           BceBackward<T>{p.b_d2, p.x, p.g_elbo, p.g_recon, p.ga3, p.gx, I, p.likelihood}));
   grid.sync();
 
   run_phase(smem, gemm_job(V{p.ga3, 1, I}, V{p.g, H, 1}, I, H, B, cuda::StoreEpilogue<T>{p.gw_d2, H}),
@@ -165,6 +166,7 @@ void run_persistent(const VaeElboBackwardCall& c) {
                       mdata<T>(c.gw_mu), mdata<T>(c.gb_mu), mdata<T>(c.gw_logvar), mdata<T>(c.gb_logvar),
                       mdata<T>(c.gw_dec1), mdata<T>(c.gb_dec1), mdata<T>(c.gw_dec2),
                       mdata<T>(c.gb_dec2)};  // workspace pointers set by vae_elbo_backward_persistent
+  a.likelihood = c.likelihood;
   vae_elbo_backward_persistent<T>(c, a);
 }
 

@@ -20,19 +20,32 @@ namespace {
 
 using vae_elbo_kernels::Launch;
 
+// The fast paths compute the Bernoulli term only (their BCE epilogues);
+// other likelihoods take the general path.
+template <bool (*Applies)(const Launch&)>
+bool bernoulli_and(const Launch& l) {
+  return l.c.likelihood == kBernoulli && Applies(l);
+}
+
 const dispatch::PathTable<Launch, 4> kPaths("vae_elbo", "cuda", {{
-    {"wgmma", "float32, B >= 2048, H == 256, L <= 32, sm_90a build on a compute capability 9.0 GPU",
+    {"wgmma",
+     "Bernoulli likelihood, float32, B >= 2048, H == 256, L <= 32, sm_90a build on a compute "
+     "capability 9.0 GPU",
      "3xTF32 warpgroup products from shared memory, weights by bulk copies: the fastest large batches",
-     vae_elbo_kernels::wgmma_applies, vae_elbo_kernels::launch_wgmma},
-    {"tiled", "float32, B >= 2048, sm_80+, H % 8 == 0, H <= 256, a 64-row tile fits in shared memory",
+     bernoulli_and<vae_elbo_kernels::wgmma_applies>, vae_elbo_kernels::launch_wgmma},
+    {"tiled",
+     "Bernoulli likelihood, float32, B >= 2048, sm_80+, H % 8 == 0, H <= 256, a 64-row tile fits "
+     "in shared memory",
      "3xTF32 mma.sync, 64 rows per CTA on chip: large batches the wgmma path does not take",
-     vae_elbo_kernels::tiled_applies, vae_elbo_kernels::launch_tiled},
+     bernoulli_and<vae_elbo_kernels::tiled_applies>, vae_elbo_kernels::launch_tiled},
     {"cluster",
-     "float32, sm_90+, a 16-row tile's activations fit in shared memory (<= 200 KB), "
-     "8 or 16 CTAs fit a cluster",
+     "Bernoulli likelihood, float32, sm_90+, a 16-row tile's activations fit in shared memory "
+     "(<= 200 KB), 8 or 16 CTAs fit a cluster",
      "one launch, each layer split over a thread-block cluster: small batches are latency-bound",
-     vae_elbo_kernels::cluster_applies, vae_elbo_kernels::launch_cluster},
-    {"general", "anything else (float64, older GPUs, activations too large for shared memory)",
+     bernoulli_and<vae_elbo_kernels::cluster_applies>, vae_elbo_kernels::launch_cluster},
+    {"general",
+     "anything else (other likelihoods, float64, older GPUs, activations too large for shared "
+     "memory)",
      "correctness first: one CTA per sample, activations in a global workspace",
      dispatch::always<Launch>, vae_elbo_kernels::launch_general},
 }});
@@ -40,10 +53,12 @@ const dispatch::PathTable<Launch, 4> kPaths("vae_elbo", "cuda", {{
 VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
                             const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
                             const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
-                            const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2) {
+                            const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2,
+                            int64_t likelihood) {
   const cuda::TensorDeviceGuard guard(x);
   VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
                 b_dec2);
+  c.likelihood = check_vae_likelihood(likelihood);
   FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
   FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
                   "vae_elbo: sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",

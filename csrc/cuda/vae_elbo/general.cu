@@ -1,7 +1,9 @@
 // \brief General path of fused_ops::vae_elbo: any size, float32 or float64.
 //
-// Chosen when no other path applies: float64, GPUs below compute capability
-// 8.0 (below 9.0 for batches under kTiledMinBatch), and float32 sizes whose
+// Chosen when no other path applies: a likelihood other than the Bernoulli
+// default (common/likelihood.h: the other paths compute BCE only), float64,
+// GPUs below compute capability 8.0 (below 9.0 for batches under
+// kTiledMinBatch), and float32 sizes whose
 // activations fit in shared memory neither as a 16-row cluster tile nor as a
 // 64-row tensor-core tile (e.g. B=64, I=4000, H=1500, L=40).
 //
@@ -9,9 +11,10 @@
 // workspace row h [H] | z [L] | KL terms [L] | g [H]; every neuron is one
 // warp's dot product (lanes stride over K, then a butterfly), neurons dealt
 // to the warps round-robin.  The BCE terms are summed per warp in neuron
-// order and then over the warps in order: a fixed order, no atomics.
+// order and then over the warps in order: a fixed order, no atomics.  The
+// term is the call's likelihood's (common/likelihood.h's recon_term).
 
-#include "common/bce.h"
+#include "common/likelihood.h"
 #include "cuda/vae_elbo/paths.cuh"
 
 namespace fused_ops {
@@ -19,7 +22,8 @@ namespace vae_elbo_kernels {
 namespace {
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T> a, T* ws) {
+__global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T> a, T* ws,
+                                                                     int64_t likelihood) {
   __shared__ T scratch[kWarps];
   const int I = a.I, H = a.H, L = a.L;
   const int warp = threadIdx.x / cuda::kWarpSize, lane = threadIdx.x % cuda::kWarpSize;
@@ -56,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
   T part = T(0);  // lane 0 of each warp: its neurons' BCE terms, in order
   for (int i = warp; i < I; i += kWarps) {
     const T v = dot(g, a.w_d2 + int64_t(i) * H, H) + a.b_d2[i];
-    if (lane == 0) part += bce_term_or_nan(v, x[i]);
+    if (lane == 0) part += recon_term(likelihood, v, x[i]);
   }
   const T recon = cuda::block_allreduce(part, scratch);
   if (threadIdx.x == 0) {
@@ -67,11 +71,11 @@ __global__ void __launch_bounds__(kThreads) vae_elbo_general_kernel(const Args<T
 }
 
 template <typename T>
-void run_general(const Args<T>& a, const Tensor& like) {
+void run_general(const Args<T>& a, const Tensor& like, int64_t likelihood) {
   Tensor ws = empty_like_device(like, {int64_t(a.B) * (2 * int64_t(a.H) + 2 * a.L)});
   vae_elbo_general_kernel<T><<<unsigned(a.B), kThreads, 0,
                                cuda::current_stream(cuda::current_device())>>>(
-      a, mdata<T>(ws));
+      a, mdata<T>(ws), likelihood);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
@@ -79,9 +83,9 @@ void run_general(const Args<T>& a, const Tensor& like) {
 
 void launch_general(const Launch& l) {
   if (l.f32) {
-    run_general<float>(l.a, l.c.x);
+    run_general<float>(l.a, l.c.x, l.c.likelihood);
   } else {
-    run_general<double>(make_args<double>(l.c), l.c.x);
+    run_general<double>(make_args<double>(l.c), l.c.x, l.c.likelihood);
   }
 }
 
