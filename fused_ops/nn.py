@@ -308,9 +308,11 @@ class VAE(reference.VAE):
             if eps is None:
                 # The reference calls torch.randn_like(mu) with mu [B, L] of x's dtype and device.
                 eps = torch.randn_like(x.new_empty((x.shape[0], weights[2].shape[0])))
-            return ops.vae_elbo(x, eps, *weights, likelihood=self._likelihood)
+            return ops.vae_elbo(x, eps, *weights, likelihood=self._likelihood,
+                                dec_logvar=self._parameters.get("dec_logvar"))
         x2, eps2, batch_shape = self._flatten(x, eps, weights)
-        elbo, recon, kl = ops.vae_elbo(x2, eps2, *weights, likelihood=self._likelihood)
+        elbo, recon, kl = ops.vae_elbo(x2, eps2, *weights, likelihood=self._likelihood,
+                                       dec_logvar=self._dec_logvar())
         return elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape)
 
     def forward_with_outputs(self, x, eps=None):
@@ -321,10 +323,14 @@ class VAE(reference.VAE):
         weights = _linear_params(_submodules(self, self._linear_paths))
         x2, eps2, batch_shape = self._flatten(x, eps, weights)
         elbo, recon, kl, probs, mu, logvar = ops.vae_elbo(x2, eps2, *weights, likelihood=self._likelihood,
-                                                          return_outputs=True)
+                                                          return_outputs=True, dec_logvar=self._dec_logvar())
         latent = batch_shape + (mu.shape[-1],)
         return (elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape),
                 probs.reshape(x.shape), mu.reshape(latent), logvar.reshape(latent))
+
+    def _dec_logvar(self):
+        """The learned per-dimension log-variance (from_modules' dec_logvar), or None."""
+        return self._parameters.get("dec_logvar")
 
     def _flatten(self, x, eps, weights):
         """``(x [N, I], eps [N, L], batch shape)`` for the op (the class docstring's two input forms)."""
@@ -349,7 +355,7 @@ class VAE(reference.VAE):
         return f"input_dim={i}, hidden_dim={h}, latent_dim={head.weight.shape[0]}{extra}"
 
     @classmethod
-    def from_modules(cls, encoder, fc_mu, fc_logvar, decoder, likelihood="bernoulli"):
+    def from_modules(cls, encoder, fc_mu, fc_logvar, decoder, likelihood="bernoulli", dec_logvar=None):
         """A fused module running the user's own layers, sharing them (no
         copies): ``encoder = Sequential([Flatten(),] Linear(I, H), ReLU())``,
         ``fc_mu`` and ``fc_logvar`` ``Linear(H, L)``, ``decoder =
@@ -361,15 +367,29 @@ class VAE(reference.VAE):
         output, or BCE-with-logits of its last Linear when it has no Sigmoid
         -- or "gaussian": ``mse_loss(decoder(z), x, reduction="sum")`` per
         sample, the decoder's output (Sigmoid or Linear) being the mean
-        (``fused_ops.vae_elbo``'s likelihoods).  Any other layer,
+        (``fused_ops.vae_elbo``'s likelihoods).  ``dec_logvar``: the user's
+        ``nn.Parameter [I]``, a learned per-dimension log-variance of a
+        Gaussian with the Linear output as its mean (registered, shared, as
+        ``dec_logvar``; the term is then ``-Normal(mean, exp(0.5 *
+        dec_logvar)).log_prob(x).sum(-1)``).  Any other layer,
         activation, depth or width mismatch raises a ValueError naming the
         layer (fused_ops/_vae_layouts.py)."""
         if likelihood not in ("bernoulli", "gaussian"):
             raise ValueError(f"likelihood must be 'bernoulli' or 'gaussian', got {likelihood!r}")
         paths, sigmoid = _vae_layouts.from_modules_paths(encoder, fc_mu, fc_logvar, decoder)
+        if dec_logvar is not None:
+            if likelihood != "gaussian" or sigmoid:
+                raise ValueError("dec_logvar (a learned per-dimension log-variance) needs likelihood='gaussian' "
+                                 "and a decoder ending in its Linear (the mean), without Sigmoid")
+            if not isinstance(dec_logvar, nn.Parameter) or tuple(dec_logvar.shape) != (decoder[2].weight.shape[0],):
+                raise ValueError(f"dec_logvar must be an nn.Parameter [I] (I = {decoder[2].weight.shape[0]}, "
+                                 f"decoder[2]'s outputs), got {type(dec_logvar).__name__} of shape "
+                                 f"{list(getattr(dec_logvar, 'shape', []))}")
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.encoder, fused.fc_mu, fused.fc_logvar, fused.decoder = encoder, fc_mu, fc_logvar, decoder
+        if dec_logvar is not None:
+            fused.dec_logvar = dec_logvar
         fused._linear_paths = paths
         fused._likelihood = {("bernoulli", True): "bernoulli", ("bernoulli", False): "bernoulli_logits",
                              ("gaussian", True): "gaussian_sigmoid", ("gaussian", False): "gaussian"}[

@@ -4,9 +4,10 @@ identity mean), each against the PyTorch expression it replaces in float32
 and float64 with the gradients of every input; gradcheck; the op's own
 contract for a non-default code (opcheck, fake, compile, bad codes with the
 same message on the CPU and at trace time); the CUDA path rule (only the
-general forward path computes them; both backward paths do); and a
-Gaussian VAE built from the user's layers, trained against the same model
-trained by plain PyTorch.  The default likelihood is the op table's
+general forward path computes them; both backward paths do); a Gaussian VAE
+built from the user's layers, trained against the same model trained by
+plain PyTorch; and the Gaussian with a learned per-dimension log-variance
+(``dec_logvar``) against ``Normal.log_prob``.  The default likelihood is the op table's
 (op_table/vae_elbo.py)."""
 
 import copy
@@ -221,3 +222,69 @@ def test_from_modules_likelihood_names():
             assert torch.equal(g, w)
     with pytest.raises(ValueError, match=r"likelihood must be 'bernoulli' or 'gaussian', got 'poisson'"):
         fused_ops.nn.VAE.from_modules(enc, mu, lv, decoder, likelihood="poisson")
+
+
+def _gaussian_nll_reference(args, dec_logvar):
+    """(elbo, recon, kl) with recon = -Normal(a, exp(0.5 dec_logvar)).log_prob(x).sum(-1)."""
+    x, eps, we, be, wm, bm, wl, bl, w1, b1, w2, b2 = args
+    h = torch.relu(F.linear(x, we, be))
+    mu, logvar = F.linear(h, wm, bm), F.linear(h, wl, bl)
+    a = F.linear(torch.relu(F.linear(mu + torch.exp(0.5 * logvar) * eps, w1, b1)), w2, b2)
+    recon = -torch.distributions.Normal(a, torch.exp(0.5 * dec_logvar)).log_prob(x).sum(-1)
+    kl = -0.5 * (1 + logvar - mu**2 - torch.exp(logvar)).sum(-1)
+    return -(recon + kl), recon, kl
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_learned_variance_matches_normal_log_prob(dtype, device):
+    args = _inputs((37, 50, 13, 4), dtype, device, "gaussian")
+    dec_logvar = (torch.randn(50, dtype=dtype, device=device) * 0.5).requires_grad_()
+    got = fused_ops.vae_elbo(*args, likelihood="gaussian", dec_logvar=dec_logvar)
+    want = _gaussian_nll_reference(args, dec_logvar)
+    for name, g, w in zip(("elbo", "recon", "kl"), got, want):
+        torch.testing.assert_close(g, w, **tol(dtype), msg=lambda m, n=name: f"{n}: {m}")
+    inputs = [*args, dec_logvar]
+    got_grads = torch.autograd.grad(_loss(got), inputs)
+    want_grads = torch.autograd.grad(_loss(want), inputs)
+    names = (*NAMES, "dec_logvar")
+    if dtype == torch.float64:
+        vae_assert_grads_close(names, got_grads, want_grads, rtol=1e-10, atol_scale=1e-12)
+    else:
+        vae_assert_grads_close(names, got_grads, want_grads)
+    recon_x = fused_ops.vae_elbo(*args, likelihood="gaussian", dec_logvar=dec_logvar, return_outputs=True)[3]
+    plain = fused_ops.vae_elbo(*args, likelihood="gaussian", return_outputs=True)[3]
+    torch.testing.assert_close(recon_x, plain, **tol(dtype))  # the mean, unscaled
+
+
+def test_learned_variance_refused():
+    args = VAE_ELBO.inputs((4, 6, 5, 3))
+    with pytest.raises(ValueError, match=r"dec_logvar .* needs likelihood='gaussian'"):
+        fused_ops.vae_elbo(*args, dec_logvar=torch.zeros(6))
+    with pytest.raises(ValueError, match=r"dec_logvar must be a 1-D tensor \[I\].*got \[5\]"):
+        fused_ops.vae_elbo(*args, likelihood="gaussian", dec_logvar=torch.zeros(5))
+    with pytest.raises(ValueError, match=r"dec_logvar must have x's dtype"):
+        fused_ops.vae_elbo(*args, likelihood="gaussian", dec_logvar=torch.zeros(6, dtype=torch.float64))
+    enc, mu, lv = nn.Sequential(nn.Linear(6, 4), nn.ReLU()), nn.Linear(4, 2), nn.Linear(4, 2)
+    sig = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 6), nn.Sigmoid())
+    with pytest.raises(ValueError, match=r"without Sigmoid"):
+        fused_ops.nn.VAE.from_modules(enc, mu, lv, sig, likelihood="gaussian", dec_logvar=nn.Parameter(torch.zeros(6)))
+    with pytest.raises(ValueError, match=r"dec_logvar must be an nn.Parameter \[I\] \(I = 6"):
+        fused_ops.nn.VAE.from_modules(enc, mu, lv, sig[:3], likelihood="gaussian",
+                                      dec_logvar=nn.Parameter(torch.zeros(5)))
+
+
+def test_learned_variance_module_trains_the_users_parameter(device):
+    torch.manual_seed(0)
+    model = GaussianVAE(30, 16, 3).to(device)
+    model.dec_logvar = nn.Parameter(torch.zeros(30, device=device))
+    fused = fused_ops.nn.VAE.from_modules(model.encoder, model.fc_mu, model.fc_logvar, model.decoder,
+                                          likelihood="gaussian", dec_logvar=model.dec_logvar)
+    assert fused.dec_logvar is model.dec_logvar and "dec_logvar" in fused.state_dict()
+    x, eps = torch.randn(16, 30, device=device), torch.randn(16, 3, device=device)
+    args = [x, eps, *(p for m in (model.encoder[0], model.fc_mu, model.fc_logvar, model.decoder[0],
+                                   model.decoder[2]) for p in (m.weight, m.bias))]
+    params = list(model.parameters())
+    got = torch.autograd.grad(-fused(x, eps)[0].sum(), params)
+    want = torch.autograd.grad(-_gaussian_nll_reference(args, model.dec_logvar)[0].sum(), params)
+    vae_assert_grads_close([n for n, _ in model.named_parameters()], got, want)
+    assert got[-1].abs().max() > 0  # dec_logvar's gradient reaches the user's parameter

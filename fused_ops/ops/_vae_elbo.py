@@ -8,6 +8,8 @@ recomputes the activations), and the CPU training pair ``vae_elbo_train`` /
 from C++ (``csrc/cuda/vae_elbo/``, ``csrc/cpu/vae_elbo/``).
 """
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,7 @@ def vae_elbo(
     *,
     likelihood: str = "bernoulli",
     return_outputs: bool = False,
+    dec_logvar: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     r"""Forward pass of a one-hidden-layer VAE with reparameterisation, BCE
     reconstruction loss and KL term, in one fused kernel.
@@ -81,6 +84,19 @@ def vae_elbo(
         "bernoulli_logits"  F.binary_cross_entropy_with_logits(a, x, reduction="none").sum(-1)
         "gaussian_sigmoid"  F.mse_loss(torch.sigmoid(a), x, reduction="none").sum(-1)
         "gaussian"          F.mse_loss(a, x, reduction="none").sum(-1)
+
+    With ``likelihood="gaussian"``, ``dec_logvar [I]`` (a learned
+    per-dimension log-variance of the decoder, differentiable) makes the term
+    the Gaussian negative log-likelihood
+    ``-Normal(a, exp(0.5 * dec_logvar)).log_prob(x).sum(-1)`` =
+    ``0.5 * sum_i((a_i - x_i)**2 exp(-dec_logvar_i) + dec_logvar_i + log(2 pi))``.
+    The op computes it as the "gaussian" term of ``a`` and ``x`` both scaled
+    by ``c = exp(-0.5 * dec_logvar)``, halved, plus the constant part: the
+    last Linear's weight rows and bias and the targets are multiplied by c,
+    the encoder's weight columns by 1 / c so that its products see x
+    unchanged (PyTorch products, ``B I + 2 I H`` multiplications; the
+    encoder's inputs round differently, by a few ulps).  Gradients reach
+    ``dec_logvar`` through those scalings.
 
     "bernoulli" (the default) is the formula above.  The Gaussian terms are
     the ``mse_loss(recon_x, x, reduction="sum")`` Gaussian VAEs write: a
@@ -142,6 +158,8 @@ def vae_elbo(
     args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
     # The default likelihood is the schema's default: no scalar to box.
     scalars = () if likelihood == "bernoulli" else (likelihood_code(likelihood),)
+    if dec_logvar is not None:
+        return _learned_variance(args, scalars, dec_logvar, return_outputs)
     if return_outputs:
         return _with_outputs(args, scalars)
     # x None: the op's checks name x.
@@ -159,6 +177,31 @@ def likelihood_code(name):
     if code is None:
         raise ValueError(f"likelihood must be one of {', '.join(map(repr, LIKELIHOODS))}, got {name!r}")
     return code
+
+
+def _learned_variance(args, scalars, dec_logvar, return_outputs):
+    """The Gaussian with a learned per-dimension log-variance (see
+    :func:`vae_elbo`): the "gaussian" op on scaled logits and targets."""
+    x, w_dec2, b_dec2 = args[0], args[10], args[11]
+    if scalars != (LIKELIHOODS["gaussian"],):
+        raise ValueError("dec_logvar (a learned per-dimension log-variance) needs likelihood='gaussian'")
+    if not isinstance(dec_logvar, Tensor) or dec_logvar.dim() != 1 or x is None or x.dim() != 2 \
+            or dec_logvar.shape[0] != x.shape[1]:
+        got = list(dec_logvar.shape) if isinstance(dec_logvar, Tensor) else type(dec_logvar).__name__
+        raise ValueError(f"dec_logvar must be a 1-D tensor [I] (I = x.shape[1]), got {got}")
+    if dec_logvar.dtype != x.dtype or dec_logvar.device != x.device:
+        raise ValueError(f"dec_logvar must have x's dtype and device ({x.dtype}, {x.device}), "
+                         f"got {dec_logvar.dtype}, {dec_logvar.device}")
+    inv_sd = torch.exp(-0.5 * dec_logvar)
+    # x is the encoder's input and the targets: the encoder's columns undo its scaling.
+    scaled = (x * inv_sd, args[1], args[2] * torch.exp(0.5 * dec_logvar), *args[3:10],
+              w_dec2 * inv_sd[:, None], b_dec2 * inv_sd)
+    out = _with_outputs(scaled, scalars) if return_outputs else _eager.call(_OP, scaled, *scalars)
+    elbo, recon, kl = out[:3]
+    recon = 0.5 * recon + 0.5 * (dec_logvar.sum() + x.shape[1] * math.log(2 * math.pi))
+    if not return_outputs:
+        return -(recon + kl), recon, kl
+    return (-(recon + kl), recon, kl, out[3] / inv_sd.detach(), *out[4:])
 
 
 def _with_outputs(args, scalars):
