@@ -13,6 +13,7 @@ from :mod:`fused_ops`.
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
 from ._vae_elbo import LIKELIHOODS, vae_elbo
+from ._vae_iwae import vae_iwae
 
 __all__ = [
     "importance_sampling",
@@ -21,4 +22,5 @@ __all__ = [
     "flow_euler_backward",
     "vae_elbo",
     "LIKELIHOODS",
+    "vae_iwae",
 ]
