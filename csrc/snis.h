@@ -50,13 +50,14 @@ inline std::vector<int64_t> snis_batch_shape(const Tensor& log_weights) {
   return shape;
 }
 
+// `lw_name`: the argument's name (the backward checks log_norm_weights by the same rules).
 inline SnisSizes check_snis_args(const Tensor& log_weights, const std::optional<Tensor>& samples,
-                                 bool moments) {
-  FUSED_OPS_CHECK(log_weights.defined(), "log_weights must be a 1-D tensor [N] or batched [..., N], got None");
-  FUSED_OPS_CHECK(log_weights.dim() >= 1, "log_weights must be a 1-D tensor [N] or batched [..., N], got shape ",
+                                 bool moments, const char* lw_name = "log_weights") {
+  FUSED_OPS_CHECK(log_weights.defined(), lw_name, " must be a 1-D tensor [N] or batched [..., N], got None");
+  FUSED_OPS_CHECK(log_weights.dim() >= 1, lw_name, " must be a 1-D tensor [N] or batched [..., N], got shape ",
                   shape_str(log_weights));
   const int64_t R = log_weights.dim(), N = log_weights.size(R - 1);
-  FUSED_OPS_CHECK(N >= 1, "log_weights must hold at least one weight per problem (N >= 1): the self-normalised ",
+  FUSED_OPS_CHECK(N >= 1, lw_name, " must hold at least one weight per problem (N >= 1): the self-normalised ",
                   "weights are undefined for N = 0, got shape ", shape_str(log_weights));
   int64_t B = 1;
   for (int64_t i = 0; i + 1 < R; ++i) B *= log_weights.size(i);
@@ -64,19 +65,19 @@ inline SnisSizes check_snis_args(const Tensor& log_weights, const std::optional<
   const bool has_samples = samples.has_value() && samples->defined();
   if (has_samples) {
     FUSED_OPS_CHECK(samples->dim() == R + 1, "samples must be a ", R + 1,
-                    "-D tensor [..., N, D] (the dimensions of log_weights, then D), got shape ",
+                    "-D tensor [..., N, D] (the dimensions of ", lw_name, ", then D), got shape ",
                     shape_str(*samples));
     for (int64_t i = 0; i < R; ++i) {
       check_size(*samples, "samples", i, log_weights.size(i),
                  i + 1 == R ? "N, the number of weights in log_weights" : "a batch dimension of log_weights");
     }
     D = samples->size(R);
-    check_same_float_dtype_and_device({{log_weights, "log_weights"}, {*samples, "samples"}});
+    check_same_float_dtype_and_device({{log_weights, lw_name}, {*samples, "samples"}});
   } else {
-    check_same_float_dtype_and_device({{log_weights, "log_weights"}});
+    check_same_float_dtype_and_device({{log_weights, lw_name}});
   }
-  FUSED_OPS_CHECK(has_samples || !moments,
-                  "samples must be given when moments=True (the variance is a moment of the samples), got None");
+  FUSED_OPS_CHECK(has_samples || !moments, "samples must be a ", R + 1,
+                  "-D tensor [..., N, D] when moments=True (the variance is a moment of the samples), got None");
   return {B, N, D, has_samples, moments};
 }
 
@@ -138,7 +139,7 @@ struct SnisBackwardCall {
                    const std::optional<Tensor>& grad_log_evidence, const std::optional<Tensor>& grad_mean,
                    const std::optional<Tensor>& grad_variance, const Tensor& log_norm_weights,
                    const std::optional<Tensor>& samples, const Tensor& mean_, const Tensor& variance_) {
-    const SnisSizes s = check_snis_args(log_norm_weights, samples, false);
+    const SnisSizes s = check_snis_args(log_norm_weights, samples, false, "log_norm_weights");
     B = s.B, N = s.N, D = s.D, has_samples = s.has_samples;
     const std::vector<int64_t> batch = snis_batch_shape(log_norm_weights);
     // The expected shapes of the per-problem outputs, as tensors to compare against.
@@ -147,8 +148,12 @@ struct SnisBackwardCall {
     d_shape.push_back(D);
     const Tensor d_like = snis_empty(log_norm_weights, has_samples ? d_shape : std::vector<int64_t>{0});
     check_snis_upstream(mean_, "mean", d_like, has_samples ? "samples' [..., D]" : "an empty tensor", log_norm_weights);
-    const bool has_var = variance_.defined() && variance_.numel() > 0;
-    if (has_var) check_snis_upstream(variance_, "variance", d_like, "samples' [..., D]", log_norm_weights);
+    // The forward's variance: [..., D] with moments=True, else an empty [0].
+    bool has_var = has_samples && variance_.defined() && variance_.dim() == d_like.dim();
+    for (int64_t i = 0; has_var && i < d_like.dim(); ++i) has_var = variance_.size(i) == d_like.size(i);
+    if (!(variance_.defined() && variance_.dim() == 1 && variance_.size(0) == 0)) {
+      check_snis_upstream(variance_, "variance", d_like, "samples' [..., D], or an empty [0]", log_norm_weights);
+    }
     check_snis_upstream(grad_log_norm_weights, "grad_log_norm_weights", log_norm_weights, "log_norm_weights",
                         log_norm_weights);
     check_snis_upstream(grad_ess, "grad_ess", batch_like, "ess", log_norm_weights);

@@ -54,30 +54,30 @@ def snis(log_weights: Tensor, samples: Tensor | None = None, moments: bool = Fal
     return _eager.call(_OP, (log_weights, samples), bool(moments))
 
 
-def _check_args(log_weights, samples, moments):
+def _check_args(log_weights, samples, moments, lw_name="log_weights"):
     """The rules of csrc/snis.h's check_snis_args, in its order and with its
     messages; returns ``(batch_shape, N, D)``."""
     if log_weights is None:
-        raise RuntimeError("log_weights must be a 1-D tensor [N] or batched [..., N], got None")
-    check(log_weights.dim() >= 1, "log_weights must be a 1-D tensor [N] or batched [..., N], got shape ",
+        raise RuntimeError(f"{lw_name} must be a 1-D tensor [N] or batched [..., N], got None")
+    check(log_weights.dim() >= 1, lw_name, " must be a 1-D tensor [N] or batched [..., N], got shape ",
           shape_str(log_weights))
     r = log_weights.dim()
     n = log_weights.shape[-1]
-    check(n >= 1, "log_weights must hold at least one weight per problem (N >= 1): the self-normalised ",
+    check(n >= 1, lw_name, " must hold at least one weight per problem (N >= 1): the self-normalised ",
           "weights are undefined for N = 0, got shape ", shape_str(log_weights))
     d = 0
     if samples is not None:
         check(samples.dim() == r + 1, "samples must be a ", r + 1,
-              "-D tensor [..., N, D] (the dimensions of log_weights, then D), got shape ", shape_str(samples))
+              "-D tensor [..., N, D] (the dimensions of ", lw_name, ", then D), got shape ", shape_str(samples))
         for i in range(r):
             check_size(samples, "samples", i, log_weights.shape[i],
                        "N, the number of weights in log_weights" if i + 1 == r else "a batch dimension of log_weights")
         d = samples.shape[r]
-        check_same_float_dtype_and_device([(log_weights, "log_weights"), (samples, "samples")])
+        check_same_float_dtype_and_device([(log_weights, lw_name), (samples, "samples")])
     else:
-        check_same_float_dtype_and_device([(log_weights, "log_weights")])
-    check(samples is not None or not moments,
-          "samples must be given when moments=True (the variance is a moment of the samples), got None")
+        check_same_float_dtype_and_device([(log_weights, lw_name)])
+    check(samples is not None or not moments, "samples must be a ", r + 1,
+          "-D tensor [..., N, D] when moments=True (the variance is a moment of the samples), got None")
     return tuple(log_weights.shape[:-1]), n, d
 
 
@@ -127,13 +127,14 @@ def _check_upstream(g, name, shape, like_name, lnw):
 
 def _check_backward_args(g_lw, g_ess, g_logz, g_mean, g_var, lnw, samples, mean, variance):
     """The rules of csrc/snis.h's SnisBackwardCall."""
-    batch, n, d = _check_args(lnw, samples, False)
+    batch, n, d = _check_args(lnw, samples, False, "log_norm_weights")
     has = samples is not None
     d_shape = (*batch, d) if has else (0,)
     _check_upstream(mean, "mean", d_shape, "samples' [..., D]" if has else "an empty tensor", lnw)
-    has_var = variance is not None and variance.numel() > 0
-    if has_var:
-        _check_upstream(variance, "variance", d_shape, "samples' [..., D]", lnw)
+    # The forward's variance: [..., D] with moments=True, else an empty [0].
+    has_var = has and variance is not None and tuple(variance.shape) == tuple(d_shape)
+    if not (variance is not None and tuple(variance.shape) == (0,)):
+        _check_upstream(variance, "variance", d_shape, "samples' [..., D], or an empty [0]", lnw)
     _check_upstream(g_lw, "grad_log_norm_weights", (*batch, n), "log_norm_weights", lnw)
     _check_upstream(g_ess, "grad_ess", batch, "ess", lnw)
     _check_upstream(g_logz, "grad_log_evidence", batch, "log_evidence", lnw)
@@ -158,6 +159,7 @@ def _snis_setup_context(ctx, inputs, output):
     _, samples, _ = inputs
     log_norm_weights, _, _, mean, variance = output
     ctx.has_samples = samples is not None
+    ctx.moments = bool(inputs[2])
     ctx.save_for_backward(log_norm_weights, samples, mean, variance)
     ctx.set_materialize_grads(False)  # the backward op takes None for an unused output
 
@@ -166,7 +168,7 @@ def _snis_backward(ctx, g_lw, g_ess, g_logz, g_mean, g_var):
     lnw, samples, mean, variance = ctx.saved_tensors
     # An empty output (mean without samples, variance without moments) has no gradient.
     g_mean = g_mean if g_mean is not None and ctx.has_samples else None
-    g_var = g_var if g_var is not None and variance.numel() > 0 else None
+    g_var = g_var if g_var is not None and ctx.moments else None
     grad_lw, grad_x = _eager.call(_BACKWARD_OP, (g_lw, g_ess, g_logz, g_mean, g_var, lnw, samples, mean, variance))
     return grad_lw, (grad_x if ctx.has_samples else None), None
 
