@@ -24,12 +24,12 @@ _load_library()
 
 from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OPS_FORCE_PATH)
 
-from . import nn, ops, reference  # noqa: E402
+from . import distributed, nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 from .ops import snis  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "snis", "nn", "ops", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "snis", "distributed", "nn", "ops", "reference", "info"]
 
 
 def info():
