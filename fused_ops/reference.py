@@ -136,3 +136,15 @@ def snis(log_weights, samples=None, moments=False):
         if moments:
             variance = (w[..., None] * (samples - mean[..., None, :]) ** 2).sum(-2)
     return log_norm_weights, ess, log_evidence, mean, variance
+
+
+class SNIS(nn.Module):
+    """:func:`snis` as a module (no parameters): ``forward(log_weights [..., N],
+    samples [..., N, D] or None) -> (log_norm_weights, ess, log_evidence, mean, variance)``."""
+
+    def __init__(self, moments=False):
+        super().__init__()
+        self.moments = moments
+
+    def forward(self, log_weights, samples=None):
+        return snis(log_weights, samples, self.moments)
