@@ -8,7 +8,8 @@
 // sized for ~8 blocks per SM over all B * C blocks (split_chunk).  Launches,
 // in stream order, each a 1-D grid of B * C blocks (or B for the merges):
 //   stats     block_stats of each chunk -> stats[b * C + c];
-//   weights   every block merges its problem's C partials in the same fixed
+//   weights   (blocks in reverse order: the stats pass's last chunks are
+//             still in L2) every block merges its problem's C partials in the same fixed
 //             order (so all agree bitwise on logsumexp), chunk 0 writes ESS,
 //             evidence and lse[b]; block_moments writes the chunk's
 //             normalised log weights and, with samples, its sum_i w_i x_i
@@ -42,7 +43,10 @@ template <typename T, bool kVariance>
 __global__ void __launch_bounds__(kThreads) snis_split_weights(const Args<T> a) {
   __shared__ SnisStats scratch[kWarps];
   __shared__ MomentScratch sm;
-  const int64_t b = blockIdx.x / a.C, c = blockIdx.x % a.C;
+  // Blocks in the reverse order of the stats pass: the chunks read last
+  // there are the first read here, while they are still in L2.
+  const int64_t part = int64_t(gridDim.x) - 1 - blockIdx.x;
+  const int64_t b = part / a.C, c = part % a.C;
   const int64_t n0 = c * a.chunk, n1 = n0 + a.chunk < a.N ? n0 + a.chunk : a.N;
   double lse;
   if (kVariance) {
@@ -58,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) snis_split_weights(const Args<T> a) 
   }
   const T* lw = a.lw + b * a.N;
   const T* x = a.x ? a.x + b * a.N * a.D : nullptr;
-  double* sums = a.sums + blockIdx.x * int64_t(a.D);
+  double* sums = a.sums + part * int64_t(a.D);
   block_moments(lw, x, a.D, n0, n1, lse, kVariance ? static_cast<T*>(nullptr) : a.lnw + b * a.N,
                 kVariance ? a.mean64 + b * a.D : nullptr, sm, [&](int d, double v) { sums[d] = v; });
 }
