@@ -120,8 +120,16 @@ template <typename T, typename Out>
 __device__ void block_moments(const T* __restrict__ lw, const T* __restrict__ x, int D, int64_t n0, int64_t n1,
                               double lse, T* lnw_out, const double* mu, MomentScratch& sm, Out out) {
   const int t = threadIdx.x;
-  if (!x || D == 0) {  // normalised log weights only
-    for (int64_t i = n0 + t; i < n1; i += kThreads) lnw_out[i] = T(double(lw[i]) - lse);
+  if (!x || D == 0) {  // normalised log weights only: four loads in flight per thread
+    int64_t i = n0 + t;
+    for (; i + 3 * kThreads < n1; i += 4 * kThreads) {
+      const T a = lw[i], b = lw[i + kThreads], c = lw[i + 2 * kThreads], e = lw[i + 3 * kThreads];
+      lnw_out[i] = T(double(a) - lse);
+      lnw_out[i + kThreads] = T(double(b) - lse);
+      lnw_out[i + 2 * kThreads] = T(double(c) - lse);
+      lnw_out[i + 3 * kThreads] = T(double(e) - lse);
+    }
+    for (; i < n1; i += kThreads) lnw_out[i] = T(double(lw[i]) - lse);
     return;
   }
   const int Dc = D < kThreads ? D : kThreads;
