@@ -249,6 +249,11 @@ def run_case(
                 print(f"    {name:<12} {format_us(result['median_us']):>10} us", flush=True)
             free_memory(device)
 
+    fused_res = row["variants"].get(FUSED, {})
+    if workload.bytes_moved is not None and fused_res.get("status") == "ok":
+        row["fused_gb_per_s"] = workload.bytes_moved(params) / (fused_res["median_us"] * 1e-6) / 1e9
+        print(f"    fused moves {workload.bytes_moved(params) / 1e6:.1f} MB: {row['fused_gb_per_s']:.3g} GB/s",
+              flush=True)
     row["match"] = row["variants"][FUSED].get("match")
     row["speedup"] = speedups(row)
     del reference, inputs, expected

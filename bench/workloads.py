@@ -99,6 +99,9 @@ class Workload:
     make_trainable: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
     make_fused_trainable: Optional[Callable[[torch.nn.Module], Callable]] = None
     train_speedup_targets: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # parameters -> the bytes a fused call must move at least (its inputs read
+    # once, its outputs written once); the driver reports GB/s from it.
+    bytes_moved: Optional[Callable[[Params], int]] = None
 
     def fused_available(self) -> bool:
         """Whether ``fused_ops.nn`` provides this workload's fused module."""
@@ -250,6 +253,44 @@ def _vae_loss(outputs: Any) -> torch.Tensor:
     return -elbo.mean()
 
 
+# --- SNIS of given log weights ------------------------------------------------
+
+
+def _snis_reference(p: Params) -> torch.nn.Module:
+    from fused_ops.reference import SNIS
+
+    return SNIS(moments=p["D"] > 0)
+
+
+def _snis_inputs(p: Params) -> Inputs:
+    batch = (p["B"],) if p["B"] > 1 else ()
+    lw = torch.randn(*batch, p["N"]) * 3.0
+    return (lw,) if p["D"] == 0 else (lw, torch.randn(*batch, p["N"], p["D"]))
+
+
+def _snis_bytes(p: Params) -> int:
+    # Read: log weights (and samples); written: normalised log weights (and
+    # the small per-problem outputs, counted too).
+    n, b, d = p["N"], p["B"], p["D"]
+    return 4 * (2 * b * n + b * n * d + b * (2 + 2 * d))
+
+
+def _snis_loop(reference: torch.nn.Module) -> Callable:
+    import fused_ops
+
+    def loop(lw: torch.Tensor, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        outs = [fused_ops.snis(lw[i], x[i], reference.moments) for i in range(lw.shape[0])]
+        return tuple(torch.stack(o) for o in zip(*outs))
+
+    return loop
+
+
+def _snis_vmap(reference: torch.nn.Module) -> Callable:
+    from fused_ops.reference import snis
+
+    return torch.vmap(lambda lw, x: snis(lw, x, reference.moments))
+
+
 WORKLOADS: Dict[str, Workload] = {
     w.name: w
     for w in (
@@ -300,6 +341,34 @@ WORKLOADS: Dict[str, Workload] = {
                 "default": {EAGER: 3.0, COMPILE_RO: 1.0},
                 "large": {EAGER: 1.3},
             },
+        ),
+        # Issue 28: bandwidth-bound; >= 70% of the H200's measured read
+        # bandwidth at N = 2^26 (reported as GB/s of bytes_moved).
+        Workload(
+            name="snis",
+            op="snis",
+            fused_name="SNIS",
+            sizes={
+                "default": {"B": 1, "N": 1 << 20, "D": 0},
+                "large": {"B": 1, "N": 1 << 26, "D": 0},
+            },
+            make_reference=_snis_reference,
+            make_inputs=_snis_inputs,
+            bytes_moved=_snis_bytes,
+        ),
+        # 1024 independent problems in one call, against a Python loop of
+        # fused calls and torch.vmap of the plain per-problem code (issue 28:
+        # >= 20x the loop on the H200).
+        Workload(
+            name="snis_batched",
+            op="snis",
+            fused_name="SNIS",
+            sizes={"default": {"B": 1024, "N": 4096, "D": 8}},
+            make_reference=_snis_reference,
+            make_inputs=_snis_inputs,
+            peers={"loop": Peer(requires="torch", make=_snis_loop),
+                   "vmap": Peer(requires="torch", make=_snis_vmap)},
+            bytes_moved=_snis_bytes,
         ),
     )
 }

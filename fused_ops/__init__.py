@@ -9,6 +9,9 @@ in :mod:`fused_ops.ops`, one module per op):
   velocity field.
 - :func:`vae_elbo` -- VAE forward pass with reparameterisation, BCE
   reconstruction and KL (per-sample ELBO).
+- :func:`snis` -- self-normalised importance sampling of given log weights
+  (batched; normalised weights, ESS, evidence, weighted moments);
+  :func:`fused_ops.distributed.snis` across processes.
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
@@ -21,11 +24,12 @@ _load_library()
 
 from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OPS_FORCE_PATH)
 
-from . import nn, ops, reference  # noqa: E402
+from . import distributed, nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
+from .ops import snis  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "ops", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "snis", "distributed", "nn", "ops", "reference", "info"]
 
 
 def info():

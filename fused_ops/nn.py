@@ -382,3 +382,16 @@ def convert(model):
     for name, child in model.named_children():
         setattr(model, name, convert(child))
     return model
+
+
+class SNIS(reference.SNIS):
+    """Drop-in replacement for :class:`fused_ops.reference.SNIS`: one
+    :func:`fused_ops.snis` call (self-normalised importance sampling of
+    given log weights, batched)."""
+
+    def forward(self, log_weights, samples=None):
+        return ops.snis(log_weights, samples, self.moments)
+
+    @classmethod
+    def from_reference(cls, module):
+        return cls(moments=module.moments)

@@ -4,7 +4,7 @@ workload compute-sanitizer runs.
     compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
     python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
-Ops: importance_sampling, flow_euler, vae_elbo and their ``_backward`` ops
+Ops: importance_sampling, flow_euler, vae_elbo, snis and their ``_backward`` ops
 (all by default; ``flow`` and ``vae`` name both directions of those ops).
 
 For each op the kernel-path table of this build (``fused_ops._paths``) gives
@@ -277,6 +277,50 @@ VAE_BACKWARD_CASES = [
     case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), note="empty batch: zero weight gradients"),
 ]
 
+def _snis_inputs(b, n, d, dtype):
+    opts = dict(device="cuda", dtype=dtype)
+    batch = () if b == -1 else (b,)
+    return torch.randn(*batch, n, **opts) * 3, (torch.randn(*batch, n, d, **opts) if d else None)
+
+
+def run_snis(b, n, d, dtype, moments):
+    """snis of log weights [b, n] (b = -1: [n]) and samples [.., n, d] (d = 0: none)."""
+    lw, x = _snis_inputs(b, n, d, dtype)
+    got = fused_ops.snis(lw, x, moments)
+    want = reference.snis(lw, x, moments)
+    return close(got, want)
+
+
+def run_snis_backward(b, n, d, dtype):
+    """Every upstream gradient; against the reference's autograd in float64."""
+    lw, x = _snis_inputs(b, n, d, dtype)
+    lw.requires_grad_()
+    x.requires_grad_()
+    outs = fused_ops.snis(lw, x, True)
+    ups = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, (lw, x), ups)
+    args = (lw.detach().double().requires_grad_(), x.detach().double().requires_grad_())
+    want = torch.autograd.grad(reference.snis(*args, True), args, [u.double() for u in ups])
+    return all(torch.allclose(g.double(), w, rtol=1e-3, atol=1e-4 * max(w.abs().max().item(), 1.0))
+               for g, w in zip(got, want))
+
+
+SNIS_CASES = [  # sizes: (B, N, D, dtype, moments); B = -1: no batch dimension, D = 0: no samples
+    case("split", -1, 1 << 16, 3, F32, True, note="one problem in 16 chunks, every pass"),
+    case("split", 3, 10007, 0, F32, False, note="log weights only, ragged last chunk"),
+    case("split", 2, 9000, 300, F64, True, note="D above a block: two column passes; float64"),
+    case("block", 64, 1000, 4, F32, True, note="one block per problem"),
+    case("block", 5, 300, 257, F32, True, note="D above a block"),
+    case("block", -1, 1, 1, F32, True, note="smallest"),
+    case("block", -1, 20000, 2, F32, False, note="forced at a size the split path takes"),
+]
+
+SNIS_BACKWARD_CASES = [  # one path ("twopass")
+    case(NATURAL, 64, 1000, 4, F32, note="many problems"),
+    case(NATURAL, -1, 100003, 3, F32, note="one problem in several chunks"),
+    case(NATURAL, -1, 1, 1, F64, note="smallest, float64"),
+]
+
 # op -> (runner, cases); the runner's forced path is the op's own table's.
 OPS = {
     "importance_sampling": (run_is, IS_CASES),
@@ -285,6 +329,8 @@ OPS = {
     "flow_euler_backward": (run_flow_backward, FLOW_BACKWARD_CASES),
     "vae_elbo": (run_vae, VAE_CASES),
     "vae_elbo_backward": (run_vae_backward, VAE_BACKWARD_CASES),
+    "snis": (run_snis, SNIS_CASES),
+    "snis_backward": (run_snis_backward, SNIS_BACKWARD_CASES),
 }
 ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
            "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}

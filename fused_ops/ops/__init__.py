@@ -13,6 +13,7 @@ from :mod:`fused_ops`.
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
 from ._vae_elbo import vae_elbo
+from ._snis import snis, snis_backward
 
 __all__ = [
     "importance_sampling",
@@ -20,4 +21,6 @@ __all__ = [
     "flow_euler",
     "flow_euler_backward",
     "vae_elbo",
+    "snis",
+    "snis_backward",
 ]
