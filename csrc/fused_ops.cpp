@@ -158,4 +158,7 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
       "Tensor b_dec2, Tensor saved, bool compute_grad_x) -> (Tensor, Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Resampling: int64 indices [..., M] from log weights [..., N] and given
+  // float64 uniforms (csrc/resample.h); not differentiable.
+  m.def("resample(Tensor log_weights, Tensor uniforms, int num_samples, str method) -> Tensor");
 }
