@@ -140,7 +140,7 @@ RESAMPLE = OpCase(
     isa_sizes=((5, 1000, 700, "multinomial"), (5, 1000, 700, "systematic")),
     paths=(
         PathCase("multiblock", (2, 70000, 5000, "stratified")),
-        PathCase("multiblock", (None, 3000, 7000, "systematic"), note="small N, forced"),
+        PathCase("multiblock", (None, 65537, 300007, "systematic"), note="M > N, a partial last chunk"),
         PathCase("block", (4, 1000, 1000, "multinomial")),
         PathCase("block", (None, 300007, 300007, "systematic"), note="big N, forced"),
     ),
