@@ -10,7 +10,7 @@ import torch
 
 import fused_ops
 from fused_ops import reference
-from fused_test_utils import requires_cuda
+from fused_test_utils import outputs_per_thread_count, requires_cuda
 
 METHODS = ("multinomial", "stratified", "systematic")
 INF = float("inf")
@@ -73,6 +73,22 @@ def test_beyond_2_24_categories_and_samples():
     w = torch.ones(N, dtype=torch.float64)
     w[-2], w[5] = torch.tensor(20.0, dtype=torch.float64).exp(), 0.0
     assert ((counts - M * w / w.sum()).abs() < 1 + 1e-6).all()
+
+
+@pytest.mark.parametrize("method", ["stratified", "systematic"])
+@pytest.mark.parametrize("B", [None, 2])
+def test_cpu_problem_spread_over_threads_gives_the_serial_indices(method, B):
+    # With fewer problems than threads, a stratified/systematic problem of
+    # N >= 2**16 spreads its chunks over the threads; one thread runs it
+    # serially.  The sums are the same, so the indices are bitwise equal.
+    lead = () if B is None else (B,)
+    lw = torch.randn(*lead, 300007) * 3
+    lw[..., 5000:9000] = -INF  # chunks of zero weight: they own no target
+    u = torch.rand(*lead, 1 if method == "systematic" else 200003, dtype=torch.float64)
+    results = outputs_per_thread_count(lambda: fused_ops.resample(lw, 200003, method, uniforms=u), (1, 2, 3))
+    for idx in results.values():
+        assert torch.equal(idx, results[1])
+    assert torch.equal(results[1], reference.resample(lw, u, 200003, method))
 
 
 @pytest.mark.parametrize("method", METHODS)
