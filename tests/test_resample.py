@@ -181,7 +181,7 @@ def test_compile_drawing_inside_the_graph():
 def test_cuda_problem_without_positive_weight_gives_minus_one(path):
     from fused_ops import _paths
 
-    lw = torch.randn(4, 3000, device="cuda")
+    lw = torch.randn(4, 70000, device="cuda")  # multiblock takes N >= 65536
     lw[1] = -INF
     lw[2, 17] = float("nan")
     lw[3, 5] = INF
