@@ -104,9 +104,12 @@ class Workload:
     bytes_moved: Optional[Callable[[Params], int]] = None
 
     def fused_available(self) -> bool:
-        """Whether ``fused_ops.nn`` provides this workload's fused module."""
+        """Whether ``fused_ops.nn`` provides this workload's fused module (or,
+        for a workload with ``make_fused``, ``fused_ops`` its function)."""
         import fused_ops.nn
 
+        if self.make_fused is not None and hasattr(fused_ops, self.fused_name):
+            return True
         return hasattr(fused_ops.nn, self.fused_name)
 
     def build_fused(self, reference: torch.nn.Module) -> Callable:
@@ -139,6 +142,8 @@ class Peer:
 
     requires: str
     make: Callable[[torch.nn.Module], Callable]
+    # False: timed only, not compared with eager (another random draw of the same distribution).
+    checked: bool = True
 
     def available(self) -> bool:
         """Whether the peer's library is installed."""
@@ -289,6 +294,54 @@ def _snis_vmap(reference: torch.nn.Module) -> Callable:
     from fused_ops.reference import snis
 
     return torch.vmap(lambda lw, x: snis(lw, x, reference.moments))
+# --- resampling ---------------------------------------------------------------
+
+
+class _Resample(torch.nn.Module):
+    """``fn(log_weights, uniforms, N, method)``: indices [N] from log weights [N]."""
+
+    def __init__(self, fn: Callable, method: str):
+        super().__init__()
+        self.fn, self.method = fn, method
+
+    def forward(self, log_weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        return self.fn(log_weights, uniforms, log_weights.shape[-1], self.method)
+
+
+def _resample_reference(method: str) -> Callable[[Params], torch.nn.Module]:
+    def make(p: Params) -> torch.nn.Module:
+        from fused_ops.reference import resample  # cumsum + searchsorted in float64
+
+        return _Resample(resample, method)
+
+    return make
+
+
+def _resample_inputs(method: str) -> Callable[[Params], Inputs]:
+    def make(p: Params) -> Inputs:
+        count = 1 if method == "systematic" else p["N"]
+        return torch.randn(p["N"]) * 2, torch.rand(count, dtype=torch.float64)
+
+    return make
+
+
+def _resample_fused(reference: torch.nn.Module) -> Callable:
+    import fused_ops
+
+    return _Resample(lambda lw, u, m, method: fused_ops.resample(lw, m, method, uniforms=u), reference.method)
+
+
+def _torch_multinomial(reference: torch.nn.Module) -> Callable:
+    """``torch.multinomial`` of the weights, N draws with replacement (it
+    refuses more than 2**24 categories)."""
+
+    def draw(log_weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial((log_weights - log_weights.max()).exp(), log_weights.shape[-1], replacement=True)
+
+    return draw
+
+
+_RESAMPLE_SIZES = {"default": {"N": 1 << 20}, "large": {"N": 1 << 26}}
 
 
 WORKLOADS: Dict[str, Workload] = {
@@ -369,6 +422,27 @@ WORKLOADS: Dict[str, Workload] = {
             peers={"loop": Peer(requires="torch", make=_snis_loop),
                    "vmap": Peer(requires="torch", make=_snis_vmap)},
             bytes_moved=_snis_bytes,
+        ),
+        # Resampling N indices from N log weights (M = N); eager is the
+        # cumsum + searchsorted program (fused_ops.reference.resample).
+        Workload(
+            name="resample",
+            op="resample",
+            fused_name="resample",
+            sizes=_RESAMPLE_SIZES,
+            make_reference=_resample_reference("systematic"),
+            make_inputs=_resample_inputs("systematic"),
+            make_fused=_resample_fused,
+        ),
+        Workload(
+            name="resample_multinomial",
+            op="resample",
+            fused_name="resample",
+            sizes=_RESAMPLE_SIZES,
+            make_reference=_resample_reference("multinomial"),
+            make_inputs=_resample_inputs("multinomial"),
+            make_fused=_resample_fused,
+            peers={"torch.multinomial": Peer(requires="torch", make=_torch_multinomial, checked=False)},
         ),
     )
 }

@@ -167,4 +167,7 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "snis_backward(Tensor? grad_log_norm_weights, Tensor? grad_ess, Tensor? grad_log_evidence, "
       "Tensor? grad_mean, Tensor? grad_variance, Tensor log_norm_weights, Tensor? samples, Tensor mean, "
       "Tensor variance) -> (Tensor grad_log_weights, Tensor grad_samples)");
+  // Resampling: int64 indices [..., M] from log weights [..., N] and given
+  // float64 uniforms (csrc/resample.h); not differentiable.
+  m.def("resample(Tensor log_weights, Tensor uniforms, int num_samples, str method) -> Tensor");
 }

@@ -12,6 +12,8 @@ in :mod:`fused_ops.ops`, one module per op):
 - :func:`snis` -- self-normalised importance sampling of given log weights
   (batched; normalised weights, ESS, evidence, weighted moments);
   :func:`fused_ops.distributed.snis` across processes.
+- :func:`resample` -- multinomial, stratified and systematic resampling of
+  log weights to indices.
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
@@ -27,9 +29,10 @@ from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OP
 from . import distributed, nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 from .ops import snis  # noqa: E402
+from .ops import resample  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "snis", "distributed", "nn", "ops", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "snis", "resample", "distributed", "nn", "ops", "reference", "info"]
 
 
 def info():

@@ -148,3 +148,21 @@ class SNIS(nn.Module):
 
     def forward(self, log_weights, samples=None):
         return snis(log_weights, samples, self.moments)
+
+
+def resample(log_weights, uniforms, num_samples, method):
+    """Resampling as a user writes it: a float64 CDF (``cumsum``) searched with
+    ``searchsorted`` at the sorted positions of ``fused_ops.resample``'s
+    method (see its docstring), ``[..., N] -> int64 [..., M]``."""
+    lw = log_weights.double()
+    w = torch.exp(lw - lw.max(-1, keepdim=True).values)
+    cdf = torch.cumsum(w, -1)
+    k = torch.arange(num_samples, dtype=torch.float64, device=lw.device)
+    if method == "multinomial":
+        pos = -torch.expm1(torch.cumsum(torch.log1p(-uniforms) / (num_samples - k), -1))
+    else:  # stratified: uniforms [..., M]; systematic: [..., 1], one shared offset
+        pos = (k + uniforms) / num_samples
+    idx = torch.searchsorted(cdf, (pos * cdf[..., -1:]).contiguous(), right=True)
+    n = torch.arange(lw.shape[-1], device=lw.device)
+    last_positive = torch.where(w > 0, n, 0).amax(-1, keepdim=True)
+    return torch.minimum(idx, last_positive)

@@ -12,6 +12,7 @@ from :mod:`fused_ops`.
 
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
+from ._resample import resample
 from ._vae_elbo import vae_elbo
 from ._snis import snis, snis_backward
 
@@ -23,4 +24,5 @@ __all__ = [
     "vae_elbo",
     "snis",
     "snis_backward",
+    "resample",
 ]
