@@ -13,6 +13,9 @@ from :mod:`fused_ops`.
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
 from ._vae_elbo import vae_elbo
+from ._dtypes import register_autocast_rules as _register_autocast_rules
+
+_register_autocast_rules()  # float32 under torch.autocast, every forward op, CPU and CUDA (_dtypes.py)
 
 __all__ = [
     "importance_sampling",
