@@ -105,4 +105,5 @@ def register_autocast_rules():
     """The autocast rule (float32) of every forward op, on the CPU and CUDA."""
     for name in forward_op_names():
         for device_type in _AUTOCAST_DEVICES:
-            torch.library.register_autocast(name, device_type, torch.float32)
+            if torch.amp.is_autocast_available(device_type):
+                torch.library.register_autocast(name, device_type, torch.float32)
