@@ -116,7 +116,9 @@ def test_training_step_with_grad_scaler(case, device):
     lin = _identity_linear(x.shape[-1], device)
     params_ = list(lin.parameters()) + list(module.parameters())
     opt = torch.optim.SGD(params_, lr=1e-2)
-    scaler = torch.amp.GradScaler(dev)
+    # A small initial scale: float16 gradients of the input times 2**16 would
+    # overflow, and the step would (rightly) be skipped.
+    scaler = torch.amp.GradScaler(dev, init_scale=2.0**7)
 
     def loss_of(outs):  # weighted: the VAE's elbo + recon + kl is zero
         return sum((i + 1) * o.float().sum() for i, o in enumerate(outs))
@@ -140,8 +142,10 @@ def test_training_step_with_grad_scaler(case, device):
     for (name, g), w in zip(got.items(), want):
         assert g.dtype == torch.float32, name
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")
-    # (the scaled run keeps what the plain one rounds to subnormals)
-    torch.testing.assert_close(got_fed.float(), want_fed, rtol=torch.finfo(dtype).eps, atol=1e-30)
+    # One rounding to `dtype` of the scaled gradient, relative down to the
+    # smallest normal number of `dtype` (below it, subnormal spacing).
+    atol = torch.finfo(dtype).smallest_normal / scaler.get_scale()
+    torch.testing.assert_close(got_fed.float(), want_fed, rtol=torch.finfo(dtype).eps, atol=atol)
     assert all(torch.isfinite(p.grad).all() for p in params_)
 
     before = [p.detach().clone() for p in params_]
