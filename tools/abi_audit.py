@@ -12,7 +12,8 @@ torch's shared libraries (torch/lib/libtorch*.so, libc10*.so) define; every
 symbol in the intersection must be an unmangled ``aoti_torch_``/``torch_``
 name.  Prints the imports by group; exits 1 (listing them) on any other.
 
-    python3 -m tools.abi_audit [path/to/_C.abi3.so]     # default: fused_ops._C as imported
+    python3 -m tools.abi_audit [path/to/_C.abi3.so | path/to/fused_ops-*.whl]
+                                      # default: fused_ops._C as imported; a wheel: the library in it
 """
 
 import glob
@@ -66,6 +67,18 @@ def main(argv):
         import importlib.util
 
         library = importlib.util.find_spec("fused_ops._C").origin
+    if library.endswith(".whl"):
+        import tempfile
+        import zipfile
+
+        with zipfile.ZipFile(library) as wheel, tempfile.TemporaryDirectory() as tmp:
+            (member,) = [n for n in wheel.namelist() if re.fullmatch(r"fused_ops/_C\..*so", n)]
+            print(f"{library}: {member}")
+            return _report(wheel.extract(member, tmp))
+    return _report(library)
+
+
+def _report(library):
     stable, other, rest = audit(library)
     print(f"{library}: {len(stable)} symbols from torch, all of the stable C shim" if not other else
           f"{library}: {len(other)} symbols from torch outside the stable C shim")
