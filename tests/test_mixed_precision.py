@@ -11,7 +11,6 @@ See fused_ops/ops/_dtypes.py for the rules.  CUDA variants skip without a GPU.
 import pytest
 import torch
 
-import fused_ops
 from contract_helpers import assert_equal, each_op, params
 from fused_ops.ops import _dtypes
 from fused_test_utils import check_error_names, sync
@@ -198,12 +197,13 @@ def _max_err(outs, exact):
     return [(o.double() - e).abs().max().item() if o.numel() else 0.0 for o, e in zip(outs, exact)]
 
 
-def _accuracy_sizes(attr_rows):
+def _accuracy_params():
+    """The first accuracy row of each op, in each lower-precision dtype."""
     return params(lambda c: [(f"{c.size_id(c.accuracy[0].size)}-{i}", d, c.accuracy[0])
                              for i, d in zip(LOW_IDS, LOW)])
 
 
-@pytest.mark.parametrize("case,dtype,acc", _accuracy_sizes("accuracy"))
+@pytest.mark.parametrize("case,dtype,acc", _accuracy_params())
 def test_low_precision_accuracy_vs_float64(case, dtype, acc, device):
     # flash-attention's rule: the fused op fed `dtype` inputs is no further
     # from a float64 run on the same values than the plain PyTorch program
@@ -227,9 +227,8 @@ def test_low_precision_accuracy_vs_float64(case, dtype, acc, device):
     ups = [torch.randn(e.shape, dtype=torch.float64, device=device).to(dtype) for e in exact]
 
     def grads(outs, inputs):
-        g = torch.autograd.grad(outs, inputs, [u.to(o.dtype) for u, o in zip(ups, outs)], allow_unused=True,
-                                materialize_grads=True)
-        return g
+        return torch.autograd.grad(outs, inputs, [u.to(o.dtype) for u, o in zip(ups, outs)], allow_unused=True,
+                                   materialize_grads=True)
 
     g_exact, g_plain, g_fused = grads(exact, exact_in), grads(plain, low_in), grads(fused, fused_in)
     for name, f, p, e in zip(case.arg_names, _max_err(g_fused, g_exact), _max_err(g_plain, g_exact), g_exact):
