@@ -20,7 +20,7 @@ Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.reference`.
 """
 
-from ._loader import load_library as _load_library
+from ._loader import build_info as _built_with, load_library as _load_library
 
 _load_library()
 
@@ -31,7 +31,9 @@ from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 from .ops import snis  # noqa: E402
 from .ops import resample  # noqa: E402
 
-__version__ = "0.1.0"
+# The package version: 0.1.0, with a local tag naming the CUDA of a CUDA build
+# (0.1.0+cu130), as setup.py wrote it into _build_info.
+__version__ = (_built_with() or {}).get("version") or "0.1.0"
 __all__ = ["importance_sampling", "flow_euler", "vae_elbo", "snis", "resample", "distributed", "nn", "ops", "reference", "info"]
 
 

@@ -15,6 +15,9 @@ from ._importance_sampling import importance_sampling, importance_sampling_backw
 from ._resample import resample
 from ._vae_elbo import vae_elbo
 from ._snis import snis, snis_backward
+from ._dtypes import register_autocast_rules as _register_autocast_rules
+
+_register_autocast_rules()  # float32 under torch.autocast, every forward op, CPU and CUDA (_dtypes.py)
 
 __all__ = [
     "importance_sampling",
