@@ -136,9 +136,29 @@ def cuda_library_include_dirs():
     return dirs
 
 
+# The release; the package version adds a local tag naming the CUDA major.minor
+# of a CUDA build (see package_version).
+BASE_VERSION = "0.1.0"
+
+
+def package_version():
+    """``BASE_VERSION`` for a CPU-only build, ``BASE_VERSION+cu130`` (the CUDA
+    version torch was built with, which the extension's kernels link) for a
+    CUDA build, so that the wheel's name says which CUDA it needs.
+    ``FUSED_OPS_LOCAL_VERSION`` overrides the tag: empty for none (a CUDA wheel
+    for PyPI, which refuses local versions), or any other local tag."""
+    local = os.environ.get("FUSED_OPS_LOCAL_VERSION")
+    if local is None:
+        local = "cu" + torch.version.cuda.replace(".", "") if WITH_CUDA else ""
+    if local and not re.fullmatch(r"[A-Za-z0-9]+(\.[A-Za-z0-9]+)*", local):
+        sys.exit(f"FUSED_OPS_LOCAL_VERSION={local!r} is not a PEP 440 local version label")
+    return BASE_VERSION + ("+" + local if local else "")
+
+
 def build_info():
     arches = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if WITH_CUDA else ""
     return {
+        "version": package_version(),
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda if WITH_CUDA else None,
         "cuda_arch_list": arches,
@@ -211,6 +231,7 @@ def extensions():
 write_build_info()
 
 setup(
+    version=package_version(),
     packages=find_packages(include=["fused_ops", "fused_ops.*"]),
     ext_modules=extensions(),
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

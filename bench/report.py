@@ -234,6 +234,10 @@ def format_markdown(meta: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str
              for row in rows if "kernel_paths" in row["variants"].get(FUSED, {})]
     if paths:
         lines += ["", "Kernel paths taken by the fused calls (`fused_ops._paths`):", ""] + paths
+    bandwidth = [f"- {row['workload']}/{row['size']}: {row['fused_gb_per_s']:.3g} GB/s"
+                 for row in rows if "fused_gb_per_s" in row]
+    if bandwidth:
+        lines += ["", "Bandwidth of the fused calls (the bytes they must move / median time):", ""] + bandwidth
     notes = []
     for row in rows:
         for name, res in row["variants"].items():

@@ -99,11 +99,17 @@ class Workload:
     make_trainable: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
     make_fused_trainable: Optional[Callable[[torch.nn.Module], Callable]] = None
     train_speedup_targets: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    # parameters -> the bytes a fused call must move at least (its inputs read
+    # once, its outputs written once); the driver reports GB/s from it.
+    bytes_moved: Optional[Callable[[Params], int]] = None
 
     def fused_available(self) -> bool:
-        """Whether ``fused_ops.nn`` provides this workload's fused module."""
+        """Whether ``fused_ops.nn`` provides this workload's fused module (or,
+        for a workload with ``make_fused``, ``fused_ops`` its function)."""
         import fused_ops.nn
 
+        if self.make_fused is not None and hasattr(fused_ops, self.fused_name):
+            return True
         return hasattr(fused_ops.nn, self.fused_name)
 
     def build_fused(self, reference: torch.nn.Module) -> Callable:
@@ -136,6 +142,8 @@ class Peer:
 
     requires: str
     make: Callable[[torch.nn.Module], Callable]
+    # False: timed only, not compared with eager (another random draw of the same distribution).
+    checked: bool = True
 
     def available(self) -> bool:
         """Whether the peer's library is installed."""
@@ -286,6 +294,92 @@ def _examples_loss(outputs: Any) -> torch.Tensor:
     return -outputs[0].sum()
 
 
+# --- SNIS of given log weights ------------------------------------------------
+
+
+def _snis_reference(p: Params) -> torch.nn.Module:
+    from fused_ops.reference import SNIS
+
+    return SNIS(moments=p["D"] > 0)
+
+
+def _snis_inputs(p: Params) -> Inputs:
+    batch = (p["B"],) if p["B"] > 1 else ()
+    lw = torch.randn(*batch, p["N"]) * 3.0
+    return (lw,) if p["D"] == 0 else (lw, torch.randn(*batch, p["N"], p["D"]))
+
+
+def _snis_bytes(p: Params) -> int:
+    # Read: log weights (and samples); written: normalised log weights (and
+    # the small per-problem outputs, counted too).
+    n, b, d = p["N"], p["B"], p["D"]
+    return 4 * (2 * b * n + b * n * d + b * (2 + 2 * d))
+
+
+def _snis_loop(reference: torch.nn.Module) -> Callable:
+    import fused_ops
+
+    def loop(lw: torch.Tensor, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        outs = [fused_ops.snis(lw[i], x[i], reference.moments) for i in range(lw.shape[0])]
+        return tuple(torch.stack(o) for o in zip(*outs))
+
+    return loop
+
+
+def _snis_vmap(reference: torch.nn.Module) -> Callable:
+    from fused_ops.reference import snis
+
+    return torch.vmap(lambda lw, x: snis(lw, x, reference.moments))
+# --- resampling ---------------------------------------------------------------
+
+
+class _Resample(torch.nn.Module):
+    """``fn(log_weights, uniforms, N, method)``: indices [N] from log weights [N]."""
+
+    def __init__(self, fn: Callable, method: str):
+        super().__init__()
+        self.fn, self.method = fn, method
+
+    def forward(self, log_weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        return self.fn(log_weights, uniforms, log_weights.shape[-1], self.method)
+
+
+def _resample_reference(method: str) -> Callable[[Params], torch.nn.Module]:
+    def make(p: Params) -> torch.nn.Module:
+        from fused_ops.reference import resample  # cumsum + searchsorted in float64
+
+        return _Resample(resample, method)
+
+    return make
+
+
+def _resample_inputs(method: str) -> Callable[[Params], Inputs]:
+    def make(p: Params) -> Inputs:
+        count = 1 if method == "systematic" else p["N"]
+        return torch.randn(p["N"]) * 2, torch.rand(count, dtype=torch.float64)
+
+    return make
+
+
+def _resample_fused(reference: torch.nn.Module) -> Callable:
+    import fused_ops
+
+    return _Resample(lambda lw, u, m, method: fused_ops.resample(lw, m, method, uniforms=u), reference.method)
+
+
+def _torch_multinomial(reference: torch.nn.Module) -> Callable:
+    """``torch.multinomial`` of the weights, N draws with replacement (it
+    refuses more than 2**24 categories)."""
+
+    def draw(log_weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial((log_weights - log_weights.max()).exp(), log_weights.shape[-1], replacement=True)
+
+    return draw
+
+
+_RESAMPLE_SIZES = {"default": {"N": 1 << 20}, "large": {"N": 1 << 26}}
+
+
 WORKLOADS: Dict[str, Workload] = {
     w.name: w
     for w in (
@@ -349,6 +443,55 @@ WORKLOADS: Dict[str, Workload] = {
             make_inputs=_examples_inputs,
             make_fused=_examples_fused,
             train_loss=_examples_loss,
+        ),
+        # Issue 28: bandwidth-bound; >= 70% of the H200's measured read
+        # bandwidth at N = 2^26 (reported as GB/s of bytes_moved).
+        Workload(
+            name="snis",
+            op="snis",
+            fused_name="SNIS",
+            sizes={
+                "default": {"B": 1, "N": 1 << 20, "D": 0},
+                "large": {"B": 1, "N": 1 << 26, "D": 0},
+            },
+            make_reference=_snis_reference,
+            make_inputs=_snis_inputs,
+            bytes_moved=_snis_bytes,
+        ),
+        # 1024 independent problems in one call, against a Python loop of
+        # fused calls and torch.vmap of the plain per-problem code (issue 28:
+        # >= 20x the loop on the H200).
+        Workload(
+            name="snis_batched",
+            op="snis",
+            fused_name="SNIS",
+            sizes={"default": {"B": 1024, "N": 4096, "D": 8}},
+            make_reference=_snis_reference,
+            make_inputs=_snis_inputs,
+            peers={"loop": Peer(requires="torch", make=_snis_loop),
+                   "vmap": Peer(requires="torch", make=_snis_vmap)},
+            bytes_moved=_snis_bytes,
+        ),
+        # Resampling N indices from N log weights (M = N); eager is the
+        # cumsum + searchsorted program (fused_ops.reference.resample).
+        Workload(
+            name="resample",
+            op="resample",
+            fused_name="resample",
+            sizes=_RESAMPLE_SIZES,
+            make_reference=_resample_reference("systematic"),
+            make_inputs=_resample_inputs("systematic"),
+            make_fused=_resample_fused,
+        ),
+        Workload(
+            name="resample_multinomial",
+            op="resample",
+            fused_name="resample",
+            sizes=_RESAMPLE_SIZES,
+            make_reference=_resample_reference("multinomial"),
+            make_inputs=_resample_inputs("multinomial"),
+            make_fused=_resample_fused,
+            peers={"torch.multinomial": Peer(requires="torch", make=_torch_multinomial, checked=False)},
         ),
     )
 }

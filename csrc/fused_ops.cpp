@@ -161,4 +161,16 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
       "Tensor b_dec2, Tensor saved, bool compute_grad_x, int likelihood=0) -> (Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Self-normalised importance sampling of given log weights [..., N] (and
+  // samples [..., N, D]); outputs not asked for are empty (csrc/snis.h).
+  m.def(
+      "snis(Tensor log_weights, Tensor? samples=None, bool moments=False) -> (Tensor log_norm_weights, "
+      "Tensor ess, Tensor log_evidence, Tensor mean, Tensor variance)");
+  m.def(
+      "snis_backward(Tensor? grad_log_norm_weights, Tensor? grad_ess, Tensor? grad_log_evidence, "
+      "Tensor? grad_mean, Tensor? grad_variance, Tensor log_norm_weights, Tensor? samples, Tensor mean, "
+      "Tensor variance) -> (Tensor grad_log_weights, Tensor grad_samples)");
+  // Resampling: int64 indices [..., M] from log weights [..., N] and given
+  // float64 uniforms (csrc/resample.h); not differentiable.
+  m.def("resample(Tensor log_weights, Tensor uniforms, int num_samples, str method) -> Tensor");
 }

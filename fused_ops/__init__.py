@@ -10,23 +10,33 @@ in :mod:`fused_ops.ops`, one module per op):
 - :func:`vae_elbo` -- VAE forward pass with reparameterisation, BCE
   reconstruction and KL (per-sample ELBO).
 - :func:`vae_iwae` -- the K-sample importance-weighted bound of that VAE.
+- :func:`snis` -- self-normalised importance sampling of given log weights
+  (batched; normalised weights, ESS, evidence, weighted moments);
+  :func:`fused_ops.distributed.snis` across processes.
+- :func:`resample` -- multinomial, stratified and systematic resampling of
+  log weights to indices.
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
 :mod:`fused_ops.reference`.
 """
 
-from ._loader import load_library as _load_library
+from ._loader import build_info as _built_with, load_library as _load_library
 
 _load_library()
 
 from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OPS_FORCE_PATH)
 
-from . import nn, ops, reference  # noqa: E402
-from .ops import flow_euler, importance_sampling, vae_elbo, vae_iwae  # noqa: E402
+from . import distributed, nn, ops, reference  # noqa: E402
+from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
+from .ops import vae_iwae  # noqa: E402
+from .ops import snis  # noqa: E402
+from .ops import resample  # noqa: E402
 
-__version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "vae_iwae", "nn", "ops", "reference", "info"]
+# The package version: 0.1.0, with a local tag naming the CUDA of a CUDA build
+# (0.1.0+cu130), as setup.py wrote it into _build_info.
+__version__ = (_built_with() or {}).get("version") or "0.1.0"
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "vae_iwae", "snis", "resample", "distributed", "nn", "ops", "reference", "info"]
 
 
 def info():

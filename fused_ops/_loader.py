@@ -17,7 +17,7 @@ def build_info():
         from . import _build_info as b
     except ImportError:
         return None
-    keys = ("torch_version", "cuda_version", "cuda_arch_list", "with_cuda", "min_torch", "stable_abi")
+    keys = ("version", "torch_version", "cuda_version", "cuda_arch_list", "with_cuda", "min_torch", "stable_abi")
     return {k: getattr(b, k, None) for k in keys}
 
 

@@ -188,14 +188,16 @@ class FlowODE(reference.FlowODE):
         op_dt = 1.0 / num_steps if isinstance(num_steps, int) else None
         if op_dt is None:  # let the op name the bad num_steps
             return ops.flow_euler(x0, *weights, num_steps)
-        # dt in x0's dtype; the cast only where it changes something: an
+        # dt in the dtype the op computes in (x0's; float32 for bfloat16/float16
+        # x0 and under autocast); the cast only where it changes something: an
         # exported graph would otherwise assert dt's device.
-        dt_x = dt if dt.dtype == x0.dtype else dt.to(x0.dtype)
+        dtype = ops._dtypes.compute_dtype(x0.dtype, x0.device.type)
+        dt_x = dt if dt.dtype == dtype else dt.to(dtype)
         if torch.compiler.is_compiling() or dt.requires_grad or dt.is_meta or _transforms_active():
             scale = torch.where(dt_x == op_dt, 1.0, dt_x / op_dt)
         else:
-            step = self._dt_on_host(dt, num_steps, x0.dtype)
-            if step == _round_to(op_dt, x0.dtype):
+            step = self._dt_on_host(dt, num_steps, dtype)
+            if step == _round_to(op_dt, dtype):
                 return ops.flow_euler(x0, *weights, num_steps)
             if not math.isfinite(step):
                 return reference.FlowODE.forward(self, x0)
@@ -498,3 +500,16 @@ def convert(model):
     for name, child in model.named_children():
         setattr(model, name, convert(child))
     return model
+
+
+class SNIS(reference.SNIS):
+    """Drop-in replacement for :class:`fused_ops.reference.SNIS`: one
+    :func:`fused_ops.snis` call (self-normalised importance sampling of
+    given log weights, batched)."""
+
+    def forward(self, log_weights, samples=None):
+        return ops.snis(log_weights, samples, self.moments)
+
+    @classmethod
+    def from_reference(cls, module):
+        return cls(moments=module.moments)

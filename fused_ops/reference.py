@@ -5,6 +5,8 @@ section 2) and the baselines the benchmark times.  They are kept exactly as
 users write them; do not "optimise" them.
 """
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -157,3 +159,54 @@ def flow_euler(x0, w1, b1, w2, b2, w3, b3, num_steps):
         v = F.linear(F.silu(F.linear(F.silu(F.linear(u, w1, b1)), w2, b2)), w3, b3)
         x = x + dt * v
     return x
+
+
+def snis(log_weights, samples=None, moments=False):
+    """Self-normalised importance sampling of given log weights, as users
+    write it: ``log_weights [..., N]``, ``samples [..., N, D]`` (optional).
+    Returns ``(log_norm_weights [..., N], ess [...], log_evidence [...],
+    mean [..., D], variance [..., D])`` like the fused op (``mean`` and
+    ``variance`` empty ``[0]`` when not asked for)."""
+    n = log_weights.shape[-1]
+    lse = torch.logsumexp(log_weights, dim=-1, keepdim=True)
+    log_norm_weights = log_weights - lse
+    w = torch.exp(log_norm_weights)
+    ess = 1.0 / (w**2).sum(-1)
+    log_evidence = lse.squeeze(-1) - math.log(n)
+    empty = log_weights.new_empty(0)
+    mean = variance = empty
+    if samples is not None:
+        mean = (w[..., None] * samples).sum(-2)
+        if moments:
+            variance = (w[..., None] * (samples - mean[..., None, :]) ** 2).sum(-2)
+    return log_norm_weights, ess, log_evidence, mean, variance
+
+
+class SNIS(nn.Module):
+    """:func:`snis` as a module (no parameters): ``forward(log_weights [..., N],
+    samples [..., N, D] or None) -> (log_norm_weights, ess, log_evidence, mean, variance)``."""
+
+    def __init__(self, moments=False):
+        super().__init__()
+        self.moments = moments
+
+    def forward(self, log_weights, samples=None):
+        return snis(log_weights, samples, self.moments)
+
+
+def resample(log_weights, uniforms, num_samples, method):
+    """Resampling as a user writes it: a float64 CDF (``cumsum``) searched with
+    ``searchsorted`` at the sorted positions of ``fused_ops.resample``'s
+    method (see its docstring), ``[..., N] -> int64 [..., M]``."""
+    lw = log_weights.double()
+    w = torch.exp(lw - lw.max(-1, keepdim=True).values)
+    cdf = torch.cumsum(w, -1)
+    k = torch.arange(num_samples, dtype=torch.float64, device=lw.device)
+    if method == "multinomial":
+        pos = -torch.expm1(torch.cumsum(torch.log1p(-uniforms) / (num_samples - k), -1))
+    else:  # stratified: uniforms [..., M]; systematic: [..., 1], one shared offset
+        pos = (k + uniforms) / num_samples
+    idx = torch.searchsorted(cdf, (pos * cdf[..., -1:]).contiguous(), right=True)
+    n = torch.arange(lw.shape[-1], device=lw.device)
+    last_positive = torch.where(w > 0, n, 0).amax(-1, keepdim=True)
+    return torch.minimum(idx, last_positive)

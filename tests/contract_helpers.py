@@ -32,6 +32,22 @@ def sizes(attr):
     return params(lambda c: [(c.size_id(s), s) for s in getattr(c, attr)])
 
 
+# The ops with an autograd contract (test_contract_autograd.py).
+DIFFERENTIABLE = tuple(name for name, case in CASES.items() if case.differentiable)
+
+
+def autograd_params(fn):
+    return params(fn, ops=DIFFERENTIABLE)
+
+
+def autograd_each_op(attr=None):
+    return autograd_params(lambda c: [("",)] if attr is None or getattr(c, attr) else [])
+
+
+def autograd_sizes(attr):
+    return autograd_params(lambda c: [(c.size_id(s), s) for s in getattr(c, attr)])
+
+
 def assert_equal(names, got, want):
     for name, g, w in zip(names, got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -45,10 +61,11 @@ def assert_close(names, got, want, **kw):
 
 def check_meta(case, out, size, dtype, device):
     shapes = case.out_shapes(size)
+    dtypes = case.out_dtypes(dtype) if case.out_dtypes is not None else [dtype] * len(shapes)
     assert len(out) == len(shapes)
-    for name, t, shape in zip(case.out_names, out, shapes):
+    for name, t, shape, want_dtype in zip(case.out_names, out, shapes, dtypes):
         assert tuple(t.shape) == tuple(shape), (name, t.shape, shape)
-        assert t.dtype == dtype and t.is_contiguous(), name
+        assert t.dtype == want_dtype and t.is_contiguous(), name
         assert t.device.type == torch.device(device).type, name
 
 

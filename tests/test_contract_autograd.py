@@ -15,11 +15,10 @@ from contract_helpers import (
     DTYPE_IDS,
     assert_close,
     bwd_grads_id,
-    each_op,
     grads_of,
-    params,
-    sizes,
 )
+# Over the differentiable ops only (not resample, whose outputs are indices).
+from contract_helpers import autograd_each_op as each_op, autograd_params as params, autograd_sizes as sizes
 from fused_test_utils import (
     DEVICE_PARAMS,
     DTYPES,

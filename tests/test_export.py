@@ -177,9 +177,27 @@ def test_vae_jit_trace_records_the_portable_op():
         assert torch.equal(g, w)
 
 
+def _is_exporting_inside_compile():
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def probe(x):
+        seen.append(torch.compiler.is_exporting())
+        return x + 1
+
+    probe(torch.zeros(1))
+    return seen[0]
+
+
 def test_compile_keeps_the_cpu_training_pair():
     # torch.compile's graphs are specialised to their device: CPU training
     # under compile keeps the training pair (it saves the activations).
+    torch._dynamo.reset()
+    if _is_exporting_inside_compile():
+        # Some torch releases (2.11) report is_exporting() while torch.compile
+        # traces; the call then records the portable vae_elbo, which is
+        # correct, with the recomputing backward.
+        pytest.skip("this torch reports torch.compiler.is_exporting() inside torch.compile")
     torch._dynamo.reset()
     module, args, kwargs = _vae(torch.float32)
     gm_ops = []

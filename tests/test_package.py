@@ -73,3 +73,60 @@ def test_suite_runs_against_the_installed_package():
         if name == "fused_ops" or name.startswith("fused_ops."):
             where = getattr(module, "__file__", None)
             assert where is None or not Path(where).resolve().is_relative_to(source_tree), (name, where)
+
+
+def test_version_names_the_cuda_build():
+    # 0.1.0 for a CPU-only build, 0.1.0+cu130 for a CUDA 13.0 one (setup.py's
+    # package_version; FUSED_OPS_LOCAL_VERSION overrides the tag); an
+    # installed wheel's metadata says the same.
+    built = build_info()
+    if built is None or built.get("version") is None:
+        pytest.skip("a library without build metadata (copied in, not built here)")
+    assert fused_ops.__version__ == built["version"]
+    base, _, local = built["version"].partition("+")
+    if "FUSED_OPS_LOCAL_VERSION" not in os.environ:
+        assert local == ("cu" + built["cuda_version"].replace(".", "") if built["with_cuda"] else "")
+    if os.environ.get("FUSED_OPS_TEST_INSTALLED"):
+        import importlib.metadata
+
+        assert importlib.metadata.version("fused_ops") == fused_ops.__version__
+
+
+def _abi_audit():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "abi_audit.py"
+    spec = importlib.util.spec_from_file_location("abi_audit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+needs_binutils = pytest.mark.skipif(
+    not all(__import__("shutil").which(t) for t in ("nm", "c++filt", "cc")), reason="needs nm, c++filt and cc")
+
+
+@needs_binutils
+def test_library_imports_only_the_stable_c_shim_from_torch():
+    import importlib.util
+
+    stable, other, _ = _abi_audit().audit(importlib.util.find_spec("fused_ops._C").origin)
+    assert not other, other
+    assert "aoti_torch_library_init_impl" in stable or "torch_library_impl" in stable, stable
+
+
+@needs_binutils
+def test_abi_audit_flags_a_non_stable_symbol(tmp_path):
+    # A library that calls one C++ function of libc10 (by its mangled name)
+    # and one stable shim function: the audit names the first, demangled.
+    import subprocess
+
+    src = tmp_path / "bad.c"
+    mangled = "_ZN3c1010ReplaceAllERNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEESt17basic_string_viewIcS3_ES8_"
+    src.write_text(f"void {mangled}(void);\nint aoti_torch_abi_version(void);\n"
+                   f"int f(void) {{ {mangled}(); return aoti_torch_abi_version(); }}\n")
+    lib = tmp_path / "libbad.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    stable, other, _ = _abi_audit().audit(str(lib))
+    assert stable == ["aoti_torch_abi_version"]
+    assert len(other) == 1 and other[0].startswith("c10::ReplaceAll("), other

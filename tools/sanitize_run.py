@@ -4,7 +4,7 @@ workload compute-sanitizer runs.
     compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
     python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
-Ops: importance_sampling, flow_euler, vae_elbo and their ``_backward`` ops
+Ops: importance_sampling, flow_euler, vae_elbo, snis and their ``_backward`` ops, resample
 (all by default; ``flow`` and ``vae`` name both directions of those ops).
 
 For each op the kernel-path table of this build (``fused_ops._paths``) gives
@@ -187,9 +187,20 @@ def run_vae_backward(b, i, h, l_, dtype, used):
     return ok
 
 
+def run_resample(b, n, m, method, dtype):
+    """Indices from log weights [b, n] (b None: [n]) with a few zero weights, against the reference."""
+    lead = () if b is None else (b,)
+    lw = torch.randn(*lead, n, dtype=dtype, device="cuda") * 2
+    if n > 1:
+        lw[..., 1::7] = float("-inf")
+    u = torch.rand(*lead, 1 if method == "systematic" else m, dtype=F64, device="cuda")
+    return torch.equal(fused_ops.resample(lw, m, method, uniforms=u), reference.resample(lw, u, m, method))
+
+
 # ----------------------------------------------------------------------------
 # The cases.  Sizes: importance sampling (N, D, K, dtype[, upstreams]); flow
-# (B, D, H, num_steps, dtype); VAE (B, I, H, L, dtype[, upstreams]).  Path
+# (B, D, H, num_steps, dtype); VAE (B, I, H, L, dtype[, upstreams]); resample
+# (B or None, N, M, method, dtype).  Path
 # conditions: each op's table (python -c "from fused_ops import _paths;
 # print(_paths.table('flow_euler'))") and docs/<op>.md.
 # ----------------------------------------------------------------------------
@@ -277,6 +288,60 @@ VAE_BACKWARD_CASES = [
     case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), note="empty batch: zero weight gradients"),
 ]
 
+def _snis_inputs(b, n, d, dtype):
+    opts = dict(device="cuda", dtype=dtype)
+    batch = () if b == -1 else (b,)
+    return torch.randn(*batch, n, **opts) * 3, (torch.randn(*batch, n, d, **opts) if d else None)
+
+
+def run_snis(b, n, d, dtype, moments):
+    """snis of log weights [b, n] (b = -1: [n]) and samples [.., n, d] (d = 0: none)."""
+    lw, x = _snis_inputs(b, n, d, dtype)
+    got = fused_ops.snis(lw, x, moments)
+    want = reference.snis(lw, x, moments)
+    return close(got, want)
+
+
+def run_snis_backward(b, n, d, dtype):
+    """Every upstream gradient; against the reference's autograd in float64."""
+    lw, x = _snis_inputs(b, n, d, dtype)
+    lw.requires_grad_()
+    x.requires_grad_()
+    outs = fused_ops.snis(lw, x, True)
+    ups = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, (lw, x), ups)
+    args = (lw.detach().double().requires_grad_(), x.detach().double().requires_grad_())
+    want = torch.autograd.grad(reference.snis(*args, True), args, [u.double() for u in ups])
+    return all(torch.allclose(g.double(), w, rtol=1e-3, atol=1e-4 * max(w.abs().max().item(), 1.0))
+               for g, w in zip(got, want))
+
+
+SNIS_CASES = [  # sizes: (B, N, D, dtype, moments); B = -1: no batch dimension, D = 0: no samples
+    case("split", -1, 1 << 16, 3, F32, True, note="one problem in 16 chunks, every pass"),
+    case("split", 3, 10007, 0, F32, False, note="log weights only, ragged last chunk"),
+    case("split", 2, 9000, 300, F64, True, note="D above a block: two column passes; float64"),
+    case("block", 64, 1000, 4, F32, True, note="one block per problem"),
+    case("block", 5, 300, 257, F32, True, note="D above a block"),
+    case("block", -1, 1, 1, F32, True, note="smallest"),
+    case("block", -1, 20000, 2, F32, False, note="forced at a size the split path takes"),
+]
+
+SNIS_BACKWARD_CASES = [  # one path ("twopass")
+    case(NATURAL, 64, 1000, 4, F32, note="many problems"),
+    case(NATURAL, -1, 100003, 3, F32, note="one problem in several chunks"),
+    case(NATURAL, -1, 1, 1, F64, note="smallest, float64"),
+]
+
+RESAMPLE_CASES = [
+    case("block", 64, 4096, 4096, "multinomial", F32, note="a batch, one block per problem"),
+    case("block", 3, 5000, 70000, "stratified", F32, note="M > N: several position tiles per CDF tile"),
+    case("block", None, 1, 5, "systematic", F32, note="smallest"),
+    case("block", 5, 777, 300, "multinomial", F64, note="float64, partial tiles"),
+    case("multiblock", None, 300007, 300007, "systematic", F32, note="one big problem, a partial last chunk"),
+    case("multiblock", 2, 70001, 5000, "stratified", F64, note="float64, M < N: chunks owning no target"),
+    case("multiblock", 3, 65536, 200000, "stratified", F32, note="M > N"),
+]
+
 # op -> (runner, cases); the runner's forced path is the op's own table's.
 OPS = {
     "importance_sampling": (run_is, IS_CASES),
@@ -285,6 +350,9 @@ OPS = {
     "flow_euler_backward": (run_flow_backward, FLOW_BACKWARD_CASES),
     "vae_elbo": (run_vae, VAE_CASES),
     "vae_elbo_backward": (run_vae_backward, VAE_BACKWARD_CASES),
+    "snis": (run_snis, SNIS_CASES),
+    "snis_backward": (run_snis_backward, SNIS_BACKWARD_CASES),
+    "resample": (run_resample, RESAMPLE_CASES),
 }
 ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
            "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}

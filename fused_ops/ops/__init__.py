@@ -12,8 +12,13 @@ from :mod:`fused_ops`.
 
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
+from ._resample import resample
 from ._vae_elbo import LIKELIHOODS, vae_elbo
 from ._vae_iwae import vae_iwae
+from ._snis import snis, snis_backward
+from ._dtypes import register_autocast_rules as _register_autocast_rules
+
+_register_autocast_rules()  # float32 under torch.autocast, every forward op, CPU and CUDA (_dtypes.py)
 
 __all__ = [
     "importance_sampling",
@@ -21,6 +26,9 @@ __all__ = [
     "flow_euler",
     "flow_euler_backward",
     "vae_elbo",
+    "snis",
+    "snis_backward",
+    "resample",
     "LIKELIHOODS",
     "vae_iwae",
 ]

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["flow_euler", "flow_euler_backward"]
@@ -40,6 +41,13 @@ def flow_euler(
     hidden width ``H`` comes from the weights.  ``num_steps`` is an int (not
     a bool), ``1 <= num_steps <= 2**31 - 1`` on both devices.
 
+    Dtypes: all float32 or all float64 (the kernels' rule, which
+    ``torch.ops.fused_ops.*`` keeps); this function also takes all-bfloat16
+    or all-float16 inputs, computes in float32 and returns its outputs in
+    the inputs' dtype (gradients too).  Under ``torch.autocast`` (CPU, CUDA)
+    lower-precision and float32 inputs run in float32 and the outputs are
+    float32; float64 inputs stay float64 (``fused_ops/ops/_dtypes.py``).
+
     Math, with ``dt = 1 / num_steps``::
 
         x = x0
@@ -69,7 +77,11 @@ def flow_euler(
     tensors) are not supported (clear errors).
     """
     _check_num_steps_type(num_steps)
-    return _eager.call(_OP, (x0, w1, b1, w2, b2, w3, b3), num_steps)
+    args, out_dtype = _dtypes.to_compute_dtype(_ARG_NAMES, (x0, w1, b1, w2, b2, w3, b3))
+    return _dtypes.from_compute_dtype(_eager.call(_OP, args, num_steps), out_dtype)
+
+
+_ARG_NAMES = ("x0", "w1", "b1", "w2", "b2", "w3", "b3")
 
 
 # The largest num_steps, on both devices (csrc/flow_euler.h, kMaxFlowSteps).

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["importance_sampling", "importance_sampling_backward"]
@@ -32,6 +33,13 @@ def importance_sampling(
     Shapes: ``samples [N, D]``, ``mix_weights [K]``, ``mix_mus [K, D]``,
     ``mix_stds [K, D]``, ``q_mu [D]``, ``q_std [D]``; all float32 or all
     float64, on one device (CPU or CUDA).  ``N >= 1``, ``K >= 1``.
+
+    Dtypes: all float32 or all float64 (the kernels' rule, which
+    ``torch.ops.fused_ops.*`` keeps); this function also takes all-bfloat16
+    or all-float16 inputs, computes in float32 and returns its outputs in
+    the inputs' dtype (gradients too).  Under ``torch.autocast`` (CPU, CUDA)
+    lower-precision and float32 inputs run in float32 and the outputs are
+    float32; float64 inputs stay float64 (``fused_ops/ops/_dtypes.py``).
 
     Math (the constant :math:`-\tfrac12\log 2\pi` terms cancel and are omitted)::
 
@@ -67,7 +75,11 @@ def importance_sampling(
     ``[N, K, D]`` temporaries).  Double backward and forward-mode AD
     (``torch.func.jvp``, dual tensors) are not supported (RuntimeErrors).
     """
-    return _eager.call(_OP, (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
+    args, out_dtype = _dtypes.to_compute_dtype(_ARG_NAMES, (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
+    return _dtypes.from_compute_dtype(_eager.call(_OP, args), out_dtype)
+
+
+_ARG_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
 
 
 def _check_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["vae_elbo", "LIKELIHOODS"]
@@ -55,6 +56,13 @@ def vae_elbo(
     ``b_logvar [L]``, ``w_dec1 [H, L]``, ``b_dec1 [H]``, ``w_dec2 [I, H]``,
     ``b_dec2 [I]`` (``nn.Linear`` weight layout); all float32 or all float64,
     on one device (CPU or CUDA).
+
+    Dtypes: all float32 or all float64 (the kernels' rule, which
+    ``torch.ops.fused_ops.*`` keeps); this function also takes all-bfloat16
+    or all-float16 inputs, computes in float32 and returns its outputs in
+    the inputs' dtype (gradients too).  Under ``torch.autocast`` (CPU, CUDA)
+    lower-precision and float32 inputs run in float32 and the outputs are
+    float32; float64 inputs stay float64 (``fused_ops/ops/_dtypes.py``).
 
     The targets ``x`` must be probabilities.  On the CPU a target outside
     [0, 1] or NaN raises a RuntimeError naming ``x`` and the first such
@@ -155,20 +163,27 @@ def vae_elbo(
     pair on the CPU: its graphs are specialised to the device they were
     compiled for.
     """
-    args = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
+    args, out_dtype = _dtypes.to_compute_dtype(
+        _ARG_NAMES, (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2))
     # The default likelihood is the schema's default: no scalar to box.
     scalars = () if likelihood == "bernoulli" else (likelihood_code(likelihood),)
     if dec_logvar is not None:
-        return _learned_variance(args, scalars, dec_logvar, return_outputs)
+        if args[0] is not x and isinstance(dec_logvar, Tensor):  # cast to the compute dtype with the rest
+            dec_logvar = dec_logvar.to(args[0].dtype)
+        return _dtypes.from_compute_dtype(_learned_variance(args, scalars, dec_logvar, return_outputs), out_dtype)
     if return_outputs:
-        return _with_outputs(args, scalars)
+        return _dtypes.from_compute_dtype(_with_outputs(args, scalars), out_dtype)
     # x None: the op's checks name x.
     if x is not None and x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)  # names the public op
         elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args, *scalars)
-        return elbo, recon, kl
-    return _eager.call(_OP, args, *scalars)
+        return _dtypes.from_compute_dtype((elbo, recon, kl), out_dtype)
+    return _dtypes.from_compute_dtype(_eager.call(_OP, args, *scalars), out_dtype)
+
+
+_ARG_NAMES = ("x", "eps", "w_enc", "b_enc", "w_mu", "b_mu", "w_logvar", "b_logvar", "w_dec1", "b_dec1", "w_dec2",
+              "b_dec2")
 
 
 def likelihood_code(name):

@@ -100,6 +100,14 @@ class OpCase:
     arg_names: tuple
     out_names: tuple
     out_shapes: Callable  # size -> [shape per output]
+    # Arguments the Python function also takes as None (with a meaning of its
+    # own: resample draws its uniforms); None there is refused by torch.ops only.
+    optional_args: tuple = ()
+    # dtype of the inputs -> [dtype per output]; None: every output has the inputs' dtype.
+    out_dtypes: Optional[Callable] = None
+    # False for an op without gradients (integer outputs): the autograd
+    # contract (test_contract_autograd.py) and its table fields do not apply.
+    differentiable: bool = True
     scalars: Callable = lambda size: ()
     size_id: Callable = lambda size: "x".join(map(str, size))
     # A fresh value of the first input with the maker's distribution (graph replays).

@@ -156,7 +156,7 @@ FLOW_EULER = OpCase(
         Bad("D_0", _flow_bad(x0=lambda t: t[:, :0], w1=lambda t: t[:, :1], w3=lambda t: t[:0],
                              b3=lambda t: t[:0]), "x0", r"D >= 1"),
         Bad("x0_int64", _flow_bad(x0=lambda t: t.long()), "x0", r"float"),
-        Bad("all_float16", _flow_bad(**{n: (lambda t: t.half()) for n in FLOW_ARG_NAMES}), "x0", r"float32"),
+        Bad("all_int32", _flow_bad(**{n: (lambda t: t.int()) for n in FLOW_ARG_NAMES}), "x0", r"float32"),
         Bad("w2_float64", _flow_bad(w2=lambda t: t.double()), "w2", r"dtype"),
         Bad("x0_float64", _flow_bad(x0=lambda t: t.double()), "w1", r"dtype"),
     ),

@@ -227,7 +227,7 @@ IMPORTANCE_SAMPLING = OpCase(
             "mix_mus", r"\b3\b"),
         Bad("samples_int64", _is_bad(samples=lambda t: t.long()), "samples", r"float"),
         Bad("samples_int32_all_int", _is_all(lambda t: t.int()), "samples", r"float"),
-        Bad("all_float16", _is_all(lambda t: t.half()), "samples", r"float32|float"),
+        Bad("all_int32", _is_all(lambda t: t.int()), "samples", r"float32|float"),
         Bad("mix_mus_float64", _is_bad(mix_mus=lambda t: t.double()), "mix_mus", r"dtype"),
         Bad("q_std_float64", _is_bad(q_std=lambda t: t.double()), "q_std", r"dtype"),
         Bad("samples_float64", _is_bad(samples=lambda t: t.double()), "mix_weights", r"dtype"),

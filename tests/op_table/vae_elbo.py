@@ -220,7 +220,7 @@ VAE_ELBO = OpCase(
         Bad("b_dec2_I", _vae_bad(b_dec2=lambda t: t[:4]), "b_dec2", r"\b5\b"),
         Bad("decoder_transposed", _vae_bad(w_dec2=lambda t: t.t().contiguous()), "w_dec2", r"\b5\b"),
         Bad("x_int64", _vae_bad(x=lambda t: t.long()), "x", r"float"),
-        Bad("all_float16", _vae_bad(**{n: (lambda t: t.half()) for n in VAE_ARG_NAMES}), "x", r"float"),
+        Bad("all_int32", _vae_bad(**{n: (lambda t: t.int()) for n in VAE_ARG_NAMES}), "x", r"float"),
         Bad("eps_float64", _vae_bad(eps=lambda t: t.double()), "eps", r"dtype"),
         Bad("w_dec2_float64", _vae_bad(w_dec2=lambda t: t.double()), "w_dec2", r"dtype"),
         Bad("H_0", _vae_bad(w_enc=lambda t: t[:0]), "w_enc", r"H >= 1|at least one"),
