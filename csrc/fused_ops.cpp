@@ -158,4 +158,13 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, "
       "Tensor b_dec2, Tensor saved, bool compute_grad_x) -> (Tensor, Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // A fixed-grid Runge-Kutta integration of an MLP velocity field (csrc/ode_mlp.h)
+  // and its discrete adjoint (csrc/ode_mlp_backward.h).
+  m.def(
+      "ode_mlp(Tensor x0, Tensor t_grid, Tensor[] weights, Tensor[] biases, Tensor time_bias, "
+      "Tensor? sample_bias, int method, int activation, float act_param, bool all_states) -> Tensor");
+  m.def(
+      "ode_mlp_backward(Tensor grad_states, Tensor states, Tensor x0, Tensor t_grid, "
+      "Tensor[] weights, Tensor[] biases, Tensor time_bias, Tensor? sample_bias, int method, "
+      "int activation, float act_param) -> Tensor[]");
 }

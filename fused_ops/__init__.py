@@ -9,6 +9,8 @@ in :mod:`fused_ops.ops`, one module per op):
   velocity field.
 - :func:`vae_elbo` -- VAE forward pass with reparameterisation, BCE
   reconstruction and KL (per-sample ELBO).
+- :func:`odeint_mlp` (op :func:`ode_mlp`) -- fixed-grid Runge-Kutta sampling
+  of an MLP velocity field with torchdiffeq's semantics.
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
@@ -23,9 +25,10 @@ from . import _paths  # noqa: E402,F401  (kernel-path debug hook; reads FUSED_OP
 
 from . import nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
+from .ops import ode_mlp, odeint_mlp  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "nn", "ops", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "ode_mlp", "odeint_mlp", "nn", "ops", "reference", "info"]
 
 
 def info():

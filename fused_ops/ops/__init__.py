@@ -13,6 +13,7 @@ from :mod:`fused_ops`.
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
 from ._vae_elbo import vae_elbo
+from ._ode import ode_mlp, ode_mlp_backward, odeint_fixed, odeint_mlp
 
 __all__ = [
     "importance_sampling",
@@ -20,4 +21,8 @@ __all__ = [
     "flow_euler",
     "flow_euler_backward",
     "vae_elbo",
+    "ode_mlp",
+    "ode_mlp_backward",
+    "odeint_fixed",
+    "odeint_mlp",
 ]
