@@ -91,7 +91,9 @@ class ODESampler(nn.Module):
 
     ``forward(x0, t=None, cond=None)``: with ``t`` (1-D, the output times), the
     states at every time of ``t`` ``[len(t), B, D]`` as ``torchdiffeq.odeint``
-    returns them; without, the state at ``t1`` ``[B, D]``.  ``cond [B, C]``:
+    returns them (its grid is read on the host, as torchdiffeq reads it);
+    without, the state at ``t1`` ``[B, D]``, with no host synchronisation
+    (``torch.compile(fullgraph=True)`` traces it).  ``cond [B, C]``:
     per-sample conditioning features (after ``y`` in the input).
     """
 
@@ -118,14 +120,19 @@ class ODESampler(nn.Module):
         self.num_steps, self.step_size, self.t0, self.t1 = num_steps, step_size, float(t0), float(t1)
 
     def forward(self, x0, t=None, cond=None):
-        return_all = t is not None
-        if t is None:
-            n = self.num_steps + 1 if self.step_size is None else 2
-            t = torch.linspace(self.t0, self.t1, n, dtype=x0.dtype, device=x0.device)
-        return _ode.odeint_mlp(
-            x0, t, [m.weight for m in self._linears], [m.bias for m in self._linears], method=self.method,
-            activation=self.activation, activation_param=self.activation_param, time=self.time,
-            time_embedding=self.time_embedding, cond=cond, step_size=self.step_size, return_all=return_all)
+        weights, biases = [m.weight for m in self._linears], [m.bias for m in self._linears]
+        if t is not None:
+            return _ode.odeint_mlp(
+                x0, t, weights, biases, method=self.method, activation=self.activation,
+                activation_param=self.activation_param, time=self.time, time_embedding=self.time_embedding,
+                cond=cond, step_size=self.step_size)
+        # The constructor's grid, built without reading a tensor: no host
+        # synchronisation, and torch.compile(fullgraph=True) traces it.
+        grid, reverse = _ode.host_grid(self.t0, self.t1, self.num_steps, self.step_size, x0.dtype, x0.device)
+        act, p = _ode._act(self.activation, self.activation_param)
+        states = _ode._integrate(x0, grid, reverse, weights, biases, self.method, act, p, self.time,
+                                 self.time_embedding, cond, torch.is_grad_enabled())
+        return states[-1]
 
     def extra_repr(self):
         grid = f"num_steps={self.num_steps}" if self.step_size is None else f"step_size={self.step_size}"

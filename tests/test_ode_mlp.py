@@ -491,3 +491,25 @@ def test_readme_examples_run():
     exec("import torch\n" + code, scope)  # noqa: S102
     assert scope["x1"].shape == (64, 2) and scope["traj"].shape == (5, 1024, 2)
     assert scope["classes"].weight.grad is not None
+
+
+@pytest.mark.parametrize("grid", [dict(num_steps=7), dict(step_size=0.13), dict(step_size=0.1, t0=1.0, t1=0.0),
+                                  dict(num_steps=5, t0=1.0, t1=0.2)])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
+def test_sampler_default_grid_is_torchdiffeqs_and_compiles(grid, dtype, device):
+    """The sampler's own grid (no t given) is torchdiffeq's for linspace(t0, t1, n + 1)
+    or [t0, t1] with step_size, built without a host read: compile(fullgraph=True) traces it."""
+    torch._dynamo.reset()
+    net = nn.Sequential(nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 2)).to(device=device, dtype=dtype)
+    sampler = fused_ops.nn.ODESampler(net, method="midpoint", **grid)
+    x0 = torch.randn(20, 2, device=device, dtype=dtype)
+    t0, t1 = grid.get("t0", 0.0), grid.get("t1", 1.0)
+    t = torch.linspace(t0, t1, grid["num_steps"] + 1 if "num_steps" in grid else 2, device=device, dtype=dtype)
+    func = lambda s, y: net(torch.cat([y, s.expand(y.shape[0], 1)], -1))  # noqa: E731
+    opts = dict(step_size=grid["step_size"]) if "step_size" in grid else None
+    want = torchdiffeq.odeint(func, x0, t, method="midpoint", options=opts)[-1]
+    got = sampler(x0)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    compiled = torch.compile(sampler, fullgraph=True)(x0)
+    # Inductor may contract the stage times' t0 + dt * c into an FMA on CUDA.
+    torch.testing.assert_close(compiled, got, rtol=1e-6 if dtype == F32 else 1e-14, atol=1e-6 if dtype == F32 else 1e-14)

@@ -15,6 +15,9 @@ sampling of an MLP velocity field, with torchdiffeq's fixed-grid semantics.
   (``csrc/ode_mlp.h``), their fakes and autograd.
 """
 
+import math
+import struct
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -266,8 +269,40 @@ def odeint_mlp(x0, t, weights, biases, *, method="euler", activation="silu", act
     check_rank(x0, "x0", 2, "[B, D]")
     t = torch.as_tensor(t).to(device=x0.device, dtype=x0.dtype)
     grid, reverse = time_grid(t, step_size)
-    tt = -t if reverse else t
-    s = _STAGES[method]
+    states = _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_embedding, cond,
+                        return_all or torch.is_grad_enabled())
+    if not return_all:
+        return states[-1]
+    return interpolate(states, grid, -t if reverse else t)
+
+
+def _round(x, dtype):
+    """The Python float ``x`` rounded to ``dtype`` (float32 arithmetic on
+    rounded operands is the double result rounded once)."""
+    return struct.unpack("f", struct.pack("f", x))[0] if dtype == torch.float32 else float(x)
+
+
+def host_grid(t0, t1, num_steps, step_size, dtype, device):
+    """:func:`time_grid` of ``linspace(t0, t1, num_steps + 1)`` (or of ``[t0, t1]``
+    with ``step_size``) for Python floats, worked out without reading a tensor
+    (no host synchronisation; traceable by ``torch.compile(fullgraph=True)``):
+    ``(grid, reverse)``, the same values."""
+    reverse = t1 < t0
+    if step_size is None:
+        t = torch.linspace(t0, t1, num_steps + 1, dtype=dtype, device=device)
+        return (-t if reverse else t), reverse
+    start, end = _round(t0, dtype), _round(t1, dtype)
+    if reverse:
+        start, end = -start, -end
+    h = _round(step_size, dtype)
+    niters = math.ceil(_round(_round(_round(end - start, dtype) / h, dtype) + 1.0, dtype))
+    grid = torch.arange(0, niters, dtype=dtype, device=device) * step_size + start
+    return torch.cat([grid[:-1], grid.new_full((1,), end)]), reverse
+
+
+def _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_embedding, cond, all_states):
+    """The fused op over ``grid`` (ascending frame): the time and conditioning
+    features folded into first-layer biases, then :func:`ode_mlp`."""
     times = _stage_times(method, grid[:-1], grid[1:] - grid[:-1], grid[1:]).reshape(-1)
     if reverse:
         times = -times
@@ -283,12 +318,8 @@ def odeint_mlp(x0, t, weights, biases, *, method="euler", activation="silu", act
     sample_bias = None if cond is None else cond @ wc.t()
     rest = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights[1:], biases[1:])]
     t_grid = -grid if reverse else grid
-    needs_all = return_all or torch.is_grad_enabled()
-    states = ode_mlp(x0, t_grid, [wx] + weights[1:], rest, time_bias, sample_bias, METHODS[method], act, p,
-                     needs_all)
-    if not return_all:
-        return states[-1]
-    return interpolate(states, grid, tt)
+    return ode_mlp(x0, t_grid, [wx] + list(weights[1:]), rest, time_bias, sample_bias, METHODS[method], act, p,
+                   all_states)
 
 
 # ---------------------------------------------------------------------------
