@@ -33,6 +33,9 @@
 namespace fused_ops {
 
 constexpr int64_t kOdeMaxLayers = 8;
+
+// The weights and biases lists (Tensor?[] in the schema: a None is named by the checks).
+using OptTensors = std::vector<std::optional<Tensor>>;
 constexpr int kOdeMaxStages = 4;
 
 enum OdeMethod : int64_t { kEuler = 0, kMidpoint = 1, kHeun2 = 2, kHeun3 = 3, kRk4 = 4 };
@@ -68,8 +71,8 @@ struct OdeMlpInputs {
   std::optional<Tensor> sample_bias;
   std::vector<Tensor> weights, biases;
 
-  OdeMlpInputs(const Tensor& x0_, const Tensor& t_grid_, const std::vector<Tensor>& weights_,
-               const std::vector<Tensor>& biases_, const Tensor& time_bias_,
+  OdeMlpInputs(const Tensor& x0_, const Tensor& t_grid_, const OptTensors& weights_opt,
+               const OptTensors& biases_opt, const Tensor& time_bias_,
                const std::optional<Tensor>& sample_bias_, int64_t method_, int64_t act_,
                double act_param_) {
     FUSED_OPS_CHECK(method_ >= 0 && method_ < kNumOdeMethods,
@@ -79,6 +82,10 @@ struct OdeMlpInputs {
                     "softplus, tanh, sigmoid), got ", act_);
     check_rank(x0_, "x0", 2, "[B, D]");
     check_rank(t_grid_, "t_grid", 1, "[num_steps + 1]");
+    // None in a list reads as an undefined tensor, which check_rank names.
+    std::vector<Tensor> weights_, biases_;
+    for (const auto& w : weights_opt) weights_.push_back(w ? *w : Tensor());
+    for (const auto& b : biases_opt) biases_.push_back(b ? *b : Tensor());
     B = x0_.size(0), D = x0_.size(1), S = t_grid_.size(0) - 1;
     FUSED_OPS_CHECK(D >= 1, "x0 must have at least one feature (D >= 1), got shape ", shape_str(x0_));
     FUSED_OPS_CHECK(S >= 0, "t_grid must hold at least one time (the start), got shape ",
@@ -116,15 +123,16 @@ struct OdeMlpInputs {
       check_size(*sample_bias_, "sample_bias", 0, B, "B, the rows of x0");
       check_size(*sample_bias_, "sample_bias", 1, H0, "H_0, the output width of weights[0]");
     }
-    check_same_float_dtype_and_device({{x0_, "x0"}, {t_grid_, "t_grid"}, {time_bias_, "time_bias"}});
+    check_same_float_dtype_and_device({{x0_, "x0"}, {t_grid_, "t_grid"}});
     for (int64_t l = 0; l < L; ++l) {
       const std::string name = "weights[" + std::to_string(l) + "]";
       check_same_float_dtype_and_device({{x0_, "x0"}, {weights_[l], name.c_str()}});
-      if (l > 0) {
-        const std::string bname = "biases[" + std::to_string(l - 1) + "]";
-        check_same_float_dtype_and_device({{x0_, "x0"}, {biases_[l - 1], bname.c_str()}});
-      }
     }
+    for (int64_t l = 1; l < L; ++l) {
+      const std::string bname = "biases[" + std::to_string(l - 1) + "]";
+      check_same_float_dtype_and_device({{x0_, "x0"}, {biases_[l - 1], bname.c_str()}});
+    }
+    check_same_float_dtype_and_device({{x0_, "x0"}, {time_bias_, "time_bias"}});
     if (sample_bias_) check_same_float_dtype_and_device({{x0_, "x0"}, {*sample_bias_, "sample_bias"}});
     method = method_, act = act_, act_param = act_param_;
     x0 = as_contiguous(x0_);
@@ -167,8 +175,8 @@ struct OdeMlpCall : OdeMlpInputs {
   bool all_states;
   Tensor states;
 
-  OdeMlpCall(const Tensor& x0_, const Tensor& t_grid_, const std::vector<Tensor>& weights_,
-             const std::vector<Tensor>& biases_, const Tensor& time_bias_,
+  OdeMlpCall(const Tensor& x0_, const Tensor& t_grid_, const OptTensors& weights_,
+             const OptTensors& biases_, const Tensor& time_bias_,
              const std::optional<Tensor>& sample_bias_, int64_t method_, int64_t act_,
              double act_param_, bool all_states_)
       : OdeMlpInputs(x0_, t_grid_, weights_, biases_, time_bias_, sample_bias_, method_, act_,

@@ -21,8 +21,8 @@ struct OdeMlpBackwardCall : OdeMlpInputs {
   std::vector<Tensor> outputs;
 
   OdeMlpBackwardCall(const Tensor& grad_states_, const Tensor& states_, const Tensor& x0_,
-                     const Tensor& t_grid_, const std::vector<Tensor>& weights_,
-                     const std::vector<Tensor>& biases_, const Tensor& time_bias_,
+                     const Tensor& t_grid_, const OptTensors& weights_,
+                     const OptTensors& biases_, const Tensor& time_bias_,
                      const std::optional<Tensor>& sample_bias_, int64_t method_, int64_t act_,
                      double act_param_)
       : OdeMlpInputs(x0_, t_grid_, weights_, biases_, time_bias_, sample_bias_, method_, act_,

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _eager
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["METHODS", "ACTIVATIONS", "odeint_fixed", "odeint_mlp", "ode_mlp", "ode_mlp_backward", "mlp_velocity"]
@@ -385,11 +386,12 @@ def _check_args(x0, t_grid, weights, biases, time_bias, sample_bias, method, act
         check_rank(sample_bias, "sample_bias", 2, "[B, H_0]")
         check_size(sample_bias, "sample_bias", 0, b, "B, the rows of x0")
         check_size(sample_bias, "sample_bias", 1, h0, "H_0, the output width of weights[0]")
-    check_same_float_dtype_and_device([(x0, "x0"), (t_grid, "t_grid"), (time_bias, "time_bias")])
+    check_same_float_dtype_and_device([(x0, "x0"), (t_grid, "t_grid")])
     for l, w in enumerate(weights):
         check_same_float_dtype_and_device([(x0, "x0"), (w, f"weights[{l}]")])
-        if l > 0:
-            check_same_float_dtype_and_device([(x0, "x0"), (biases[l - 1], f"biases[{l - 1}]")])
+    for l, v in enumerate(biases):
+        check_same_float_dtype_and_device([(x0, "x0"), (v, f"biases[{l}]")])
+    check_same_float_dtype_and_device([(x0, "x0"), (time_bias, "time_bias")])
     if sample_bias is not None:
         check_same_float_dtype_and_device([(x0, "x0"), (sample_bias, "sample_bias")])
     return b, d, steps
@@ -455,3 +457,4 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd("fused_ops::ode_mlp", _backward, setup_context=_setup_context)
+_eager.forbid_double_backward(_BACKWARD_OP, "ode_mlp", "fused_ops.ops.odeint_fixed with fused_ops.ops.mlp_velocity")

@@ -11,7 +11,7 @@ namespace fused_ops {
 
 std::vector<Tensor> ode_mlp_backward_cpu(const Tensor& grad_states, const Tensor& states,
                                          const Tensor& x0, const Tensor& t_grid,
-                                         std::vector<Tensor> weights, std::vector<Tensor> biases,
+                                         OptTensors weights, OptTensors biases,
                                          const Tensor& time_bias, std::optional<Tensor> sample_bias,
                                          int64_t method, int64_t activation, double act_param) {
   OdeMlpBackwardCall c(grad_states, states, x0, t_grid, weights, biases, time_bias, sample_bias,

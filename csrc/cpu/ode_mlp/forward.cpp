@@ -68,8 +68,8 @@ void check_monotone(const T* t, int64_t S) {
 
 }  // namespace
 
-Tensor ode_mlp_cpu(const Tensor& x0, const Tensor& t_grid, std::vector<Tensor> weights,
-                   std::vector<Tensor> biases, const Tensor& time_bias,
+Tensor ode_mlp_cpu(const Tensor& x0, const Tensor& t_grid, OptTensors weights,
+                   OptTensors biases, const Tensor& time_bias,
                    std::optional<Tensor> sample_bias, int64_t method, int64_t activation,
                    double act_param, bool all_states) {
   OdeMlpCall c(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation, act_param,

@@ -2,10 +2,13 @@
 // (the `Ops` of csrc/ode_mlp_core.h): plain loops over contiguous buffers,
 // each one pass, run on the calling thread (the forward calls them inside its
 // parallel region, one row block at a time).  Column sums run over rows in
-// order, so results do not depend on the number of threads.
+// a fixed order (64-row chunks, then the chunk sums), so results do not
+// depend on the number of threads.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "ode_mlp.h"
 
@@ -83,10 +86,17 @@ struct OdeCpuOps {
     for (int64_t x = 0; x < n; ++x) dst[x] += src[x];
   }
 
+  // Two levels, chunks of 64 rows summed in order and then the chunk sums in
+  // order: rounding error ~(64 + rows / 64) ulps rather than ~rows.
   void colsum(T* dst, const T* src, int64_t rows, int64_t cols, bool accumulate) const {
     if (!accumulate) zero(dst, cols);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < cols; ++j) dst[j] += src[r * cols + j];
+    std::vector<T> part(static_cast<size_t>(cols));
+    for (int64_t r0 = 0; r0 < rows; r0 += 64) {
+      std::fill(part.begin(), part.end(), T(0));
+      for (int64_t r = r0; r < std::min(rows, r0 + 64); ++r) {
+        for (int64_t j = 0; j < cols; ++j) part[j] += src[r * cols + j];
+      }
+      for (int64_t j = 0; j < cols; ++j) dst[j] += part[j];
     }
   }
 

@@ -39,7 +39,7 @@ const dispatch::PathTable<OdeMlpBackwardCall, 1> kOdeMlpBackwardPaths(
 
 std::vector<Tensor> ode_mlp_backward_cuda(const Tensor& grad_states, const Tensor& states,
                                           const Tensor& x0, const Tensor& t_grid,
-                                          std::vector<Tensor> weights, std::vector<Tensor> biases,
+                                          OptTensors weights, OptTensors biases,
                                           const Tensor& time_bias, std::optional<Tensor> sample_bias,
                                           int64_t method, int64_t activation, double act_param) {
   const cuda::TensorDeviceGuard guard(x0);

@@ -30,8 +30,8 @@ const dispatch::PathTable<OdeMlpCall, 2> kOdeMlpPaths(
          dispatch::always<OdeMlpCall>, op::launch_general},
     }});
 
-Tensor ode_mlp_cuda(const Tensor& x0, const Tensor& t_grid, std::vector<Tensor> weights,
-                    std::vector<Tensor> biases, const Tensor& time_bias,
+Tensor ode_mlp_cuda(const Tensor& x0, const Tensor& t_grid, OptTensors weights,
+                    OptTensors biases, const Tensor& time_bias,
                     std::optional<Tensor> sample_bias, int64_t method, int64_t activation,
                     double act_param, bool all_states) {
   const cuda::TensorDeviceGuard guard(x0);
