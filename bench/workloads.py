@@ -496,6 +496,10 @@ WORKLOADS: Dict[str, Workload] = {
     )
 }
 
+# The ODE sampler at real-model shapes (bench/ode_workloads.py).
+from .ode_workloads import make_ode_workloads  # noqa: E402
+
+WORKLOADS.update((w.name, w) for w in make_ode_workloads())
 
 
 # ----------------------------------------------------------------------------

@@ -173,4 +173,13 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   // Resampling: int64 indices [..., M] from log weights [..., N] and given
   // float64 uniforms (csrc/resample.h); not differentiable.
   m.def("resample(Tensor log_weights, Tensor uniforms, int num_samples, str method) -> Tensor");
+  // A fixed-grid Runge-Kutta integration of an MLP velocity field (csrc/ode_mlp.h)
+  // and its discrete adjoint (csrc/ode_mlp_backward.h).
+  m.def(
+      "ode_mlp(Tensor x0, Tensor t_grid, Tensor?[] weights, Tensor?[] biases, Tensor time_bias, "
+      "Tensor? sample_bias, int method, int activation, float act_param, bool all_states) -> Tensor");
+  m.def(
+      "ode_mlp_backward(Tensor grad_states, Tensor states, Tensor x0, Tensor t_grid, "
+      "Tensor?[] weights, Tensor?[] biases, Tensor time_bias, Tensor? sample_bias, int method, "
+      "int activation, float act_param) -> Tensor[]");
 }

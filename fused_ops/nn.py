@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from . import _eager, _vae_layouts, ops, reference
+from ._ode_sampler import ODESampler
 
-__all__ = ["ImportanceSampler", "FlowODE", "VAE", "convert"]
+__all__ = ["ImportanceSampler", "FlowODE", "VAE", "ODESampler", "convert"]
 
 
 # The fused modules' forwards read their submodules and parameters from the

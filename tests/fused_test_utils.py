@@ -65,7 +65,7 @@ def check_error_names(excinfo, arg, expected):
     """The error names the argument (as a whole word: "q_mu" does not match
     inside "q_mu_x") and says what was expected (a regex)."""
     msg = str(excinfo.value)
-    assert re.search(rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])", msg), f"message does not name {arg!r}: {msg}"
+    assert re.search(rf"(?<![A-Za-z0-9_]){re.escape(arg)}(?![A-Za-z0-9_])", msg), f"message does not name {arg!r}: {msg}"
     assert re.search(expected, msg), f"message does not say {expected!r}: {msg}"
 
 

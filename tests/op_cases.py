@@ -17,7 +17,7 @@ know about one op, so that each contract check is written once:
 - its CUDA kernel paths (``fused_ops._paths``) with sizes that select each.
 
 Sizes are tuples: importance_sampling (N, D, K); flow_euler (B, D, H, steps);
-vae_elbo (B, I, H, L); snis (B, N, D); resample (B, N, M, method).  Not a test module: pytest collects nothing here.
+vae_elbo (B, I, H, L); snis (B, N, D); resample (B, N, M, method); ode_mlp (B, D, H, steps, method, activation).  Not a test module: pytest collects nothing here.
 """
 
 from op_table.base import (
@@ -38,6 +38,7 @@ from op_table.flow_euler import FLOW_EULER
 from op_table.importance_sampling import IMPORTANCE_SAMPLING
 from op_table.snis import SNIS
 from op_table.resample import RESAMPLE
+from op_table.ode_mlp import ODE_MLP
 from op_table.vae_elbo import (
     VAE_ELBO,
     vae_assert_grads_close,
@@ -50,11 +51,12 @@ from op_table.vae_elbo import (
 __all__ = [
     "CASES", "SMALL_SIZES", "small_calls", "F32", "F64", "F32_ULP", "Accuracy", "Bad", "BwdBad", "OpCase",
     "PathCase", "all_subsets", "as_tuple", "max_abs", "subset_id", "IMPORTANCE_SAMPLING", "FLOW_EULER", "VAE_ELBO", "SNIS", "RESAMPLE",
+    "ODE_MLP",
     "vae_assert_grads_close", "vae_clear_of_relu_kinks", "vae_gradcheck_inputs", "vae_preactivations",
     "vae_reference",
 ]
 
-CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RESAMPLE)}
+CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RESAMPLE, ODE_MLP)}
 
 # Small sizes for tests of the Python layer (transforms, forward AD) that
 # run each op a few times per test.

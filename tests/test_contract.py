@@ -197,7 +197,7 @@ def test_opcheck(case, size, dtype, grad, device):
     for i, a in enumerate(args):
         if grad == "all" or (grad == "first" and i == 0) or (grad == "rest" and i > 0):
             a.requires_grad_()
-    result = torch.library.opcheck(case.op, (*args, *case.scalars(size)))
+    result = torch.library.opcheck(case.op, case.op_args(args, size))
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
@@ -230,7 +230,7 @@ def test_compile_backward(case, device):
     args = case.inputs(size, device=device, requires_grad=True)
 
     def loss(*a):
-        return case.compile_loss(as_tuple(case.packet(*a, *case.scalars(size))))
+        return case.compile_loss(case.call(case.packet, a, size))
 
     eager = torch.autograd.grad(loss(*args), args)
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
@@ -503,7 +503,7 @@ def test_export_reports_bad_shape_at_trace_time(case):
 
     class Call(torch.nn.Module):
         def forward(self, *a):
-            return case.packet(*a, *case.scalars(size))
+            return case.packet(*case.op_args(a, size))
 
     with pytest.raises(Exception) as excinfo:
         torch.export.export(Call(), tuple(args))

@@ -172,7 +172,7 @@ def test_double_backward_raises(case, device):
 )
 def test_opcheck_backward_op(case, size, grads, dtype, device):
     a = case.bwd_args(case, size, dtype, device, grads)
-    result = torch.library.opcheck(case.bwd, a)
+    result = torch.library.opcheck(case.bwd, case.bwd_op_args(a))
     assert all(v == "SUCCESS" for v in result.values()), result
 
 

@@ -4,8 +4,8 @@ workload compute-sanitizer runs.
     compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
     python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
-Ops: importance_sampling, flow_euler, vae_elbo, snis and their ``_backward`` ops, resample
-(all by default; ``flow`` and ``vae`` name both directions of those ops).
+Ops: importance_sampling, flow_euler, vae_elbo, snis, ode_mlp and their ``_backward`` ops, resample
+(all by default; ``flow``, ``vae`` and ``ode`` name both directions of those ops).
 
 For each op the kernel-path table of this build (``fused_ops._paths``) gives
 the paths.  Each case below names the path(s) it is meant for; a case is run
@@ -197,6 +197,32 @@ def run_resample(b, n, m, method, dtype):
     return torch.equal(fused_ops.resample(lw, m, method, uniforms=u), reference.resample(lw, u, m, method))
 
 
+def ode_inputs(b, d, widths, steps, dtype):
+    """x0, t, weights, biases of an MLP velocity field (time last), nn.Linear's scale."""
+    opts = dict(device="cuda", dtype=dtype)
+    dims = [d + 1, *widths, d]
+    ws = [(torch.rand(o, i, **opts) * 2 - 1) / i**0.5 for i, o in zip(dims[:-1], dims[1:])]
+    bs = [torch.rand(o, **opts) * 0.2 - 0.1 for o in dims[1:]]
+    return torch.randn(b, d, **opts), torch.linspace(0, 1, steps + 1, **opts), ws, bs
+
+
+def run_ode(b, d, widths, steps, method, dtype):
+    x0, t, ws, bs = ode_inputs(b, d, widths, steps, dtype)
+    got = fused_ops.odeint_mlp(x0, t, ws, bs, method=method, activation="silu")
+    want = fused_ops.ops.odeint_fixed(fused_ops.ops._ode.mlp_velocity(ws, bs, "silu"), x0, t, method)
+    return close([got], [want])
+
+
+def run_ode_backward(b, d, widths, steps, method, dtype):
+    x0, t, ws, bs = ode_inputs(b, d, widths, steps, dtype)
+    args = [x0.requires_grad_(), *(w.requires_grad_() for w in ws), *(v.requires_grad_() for v in bs)]
+    up = torch.randn(steps + 1, b, d, device="cuda", dtype=dtype)
+    got = torch.autograd.grad(fused_ops.odeint_mlp(x0, t, ws, bs, method=method), args, up)
+    ref = fused_ops.ops.odeint_fixed(fused_ops.ops._ode.mlp_velocity(ws, bs, "silu"), x0, t, method)
+    want = torch.autograd.grad(ref, args, up)
+    return close(got, want, atol=1e-4, rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------
 # The cases.  Sizes: importance sampling (N, D, K, dtype[, upstreams]); flow
 # (B, D, H, num_steps, dtype); VAE (B, I, H, L, dtype[, upstreams]); resample
@@ -342,6 +368,21 @@ RESAMPLE_CASES = [
     case("multiblock", 3, 65536, 200000, "stratified", F32, note="M > N"),
 ]
 
+ODE_CASES = [
+    case("shared", 300, 2, (64, 64, 64), 4, "euler", F32, note="torchcfm-like, a ragged last tile"),
+    case("shared", 37, 3, (33, 17), 3, "rk4", F32, note="odd widths, four stages"),
+    case("shared", 5, 2, (16,), 2, "heun3", F64, note="float64"),
+    case("general", 17, 2, (3000, 3000), 1, "midpoint", F32, note="working set beyond shared memory"),
+    case("general", 300, 2, (64, 64, 64), 2, "euler", F32, note="forced where shared applies"),
+    case(NATURAL, 0, 2, (8,), 2, "euler", F32, note="empty batch"),
+]
+
+ODE_BACKWARD_CASES = [
+    case("stepwise", 300, 2, (64, 64, 64), 3, "midpoint", F32, note="several column tiles"),
+    case("stepwise", 5, 3, (7,), 2, "rk4", F64, note="float64, four stages"),
+    case(NATURAL, 0, 2, (8,), 2, "euler", F32, note="empty batch: zero weight gradients"),
+]
+
 # op -> (runner, cases); the runner's forced path is the op's own table's.
 OPS = {
     "importance_sampling": (run_is, IS_CASES),
@@ -353,8 +394,11 @@ OPS = {
     "snis": (run_snis, SNIS_CASES),
     "snis_backward": (run_snis_backward, SNIS_BACKWARD_CASES),
     "resample": (run_resample, RESAMPLE_CASES),
+    "ode_mlp": (run_ode, ODE_CASES),
+    "ode_mlp_backward": (run_ode_backward, ODE_BACKWARD_CASES),
 }
 ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
+           "ode": ["ode_mlp", "ode_mlp_backward"],
            "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}
 
 

@@ -16,6 +16,7 @@ from ._resample import resample
 from ._vae_elbo import LIKELIHOODS, vae_elbo
 from ._vae_iwae import vae_iwae
 from ._snis import snis, snis_backward
+from ._ode import ode_mlp, ode_mlp_backward, odeint_fixed, odeint_mlp
 from ._dtypes import register_autocast_rules as _register_autocast_rules
 
 _register_autocast_rules()  # float32 under torch.autocast, every forward op, CPU and CUDA (_dtypes.py)
@@ -31,4 +32,8 @@ __all__ = [
     "resample",
     "LIKELIHOODS",
     "vae_iwae",
+    "ode_mlp",
+    "ode_mlp_backward",
+    "odeint_fixed",
+    "odeint_mlp",
 ]

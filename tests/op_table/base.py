@@ -199,8 +199,13 @@ class OpCase:
     def inputs(self, size, dtype=F32, device="cpu", requires_grad=False, **kw):
         return list(self.make(size, dtype=dtype, device=device, requires_grad=requires_grad, **kw))
 
+    def op_args(self, args, size, scalars=None):
+        """The op's arguments for the table's ``args`` (an op whose schema groups
+        tensors into lists regroups them here)."""
+        return (*args, *(self.scalars(size) if scalars is None else scalars))
+
     def call(self, fn, args, size, scalars=None):
-        return as_tuple(fn(*args, *(self.scalars(size) if scalars is None else scalars)))
+        return as_tuple(fn(*self.op_args(args, size, scalars)))
 
     def fused(self, args, size):
         return self.call(self.fn, args, size)
@@ -208,8 +213,12 @@ class OpCase:
     def ref(self, args, size):
         return self.call(self.reference, args, size)
 
+    def bwd_op_args(self, a):
+        """The backward op's arguments for the table's ``bwd_args`` (see op_args)."""
+        return tuple(a)
+
     def bwd_call(self, a):
-        return self.bwd(*a)
+        return self.bwd(*self.bwd_op_args(a))
 
     def __repr__(self):
         return self.name

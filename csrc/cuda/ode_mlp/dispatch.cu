@@ -1,0 +1,50 @@
+// \brief fused_ops::ode_mlp on CUDA: the entry point, its argument checks and
+// the path table that chooses the kernel (csrc/ode_mlp.h for the math).
+//
+// Both paths run cuda/ode_mlp/general.cu's fused kernel (all steps, stages
+// and layers in one launch, a block per 16-row tile); they differ in where a
+// tile's activations live.  Tests force a path with
+// fused_ops._paths.force("ode_mlp", name) or FUSED_OPS_FORCE_PATH=ode_mlp=<name>.
+// No value of t_grid is checked here (that would cost a host
+// synchronisation): fused_ops.odeint_mlp checks the grid.
+#include <cuda_runtime.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include "common/dispatch.h"
+#include "cuda/ode_mlp/paths.cuh"
+#include "cuda/primitives/runtime.cuh"
+
+namespace fused_ops {
+namespace {
+
+namespace op = ode_mlp_paths;
+
+const dispatch::PathTable<OdeMlpCall, 2> kOdeMlpPaths(
+    "ode_mlp", "cuda",
+    {{
+        {"shared", "a 16-row tile's working set 16 (D (stages + 2) + 2 Hmax) fits shared memory",
+         "activations on chip across all steps and stages, one launch", op::shared_applies,
+         op::launch_shared},
+        {"general", "anything", "correct for every width: the same kernel, activations in global memory",
+         dispatch::always<OdeMlpCall>, op::launch_general},
+    }});
+
+Tensor ode_mlp_cuda(const Tensor& x0, const Tensor& t_grid, OptTensors weights,
+                    OptTensors biases, const Tensor& time_bias,
+                    std::optional<Tensor> sample_bias, int64_t method, int64_t activation,
+                    double act_param, bool all_states) {
+  const cuda::TensorDeviceGuard guard(x0);
+  OdeMlpCall c(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation, act_param,
+               all_states);
+  FUSED_OPS_CHECK(x0.is_cuda(), "x0 must be a CUDA tensor, got ", device_str(x0));
+  if (c.B == 0) return c.states;
+  kOdeMlpPaths.run(c);
+  return c.states;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("ode_mlp", TORCH_BOX(&ode_mlp_cuda)); }
+
+}  // namespace fused_ops
