@@ -52,7 +52,7 @@ def _prime(case, path, backward=False):
     others = [p for p in (case.bwd_natural if backward else case.natural) if p.path != path]
     if not others:  # a table of one path: the report cannot be stale in a telling way
         return
-    other = min(others, key=lambda p: math.prod(p.size))
+    other = min(others, key=lambda p: math.prod(v for v in p.size if isinstance(v, int)))
     if backward:
         args, upstream = _bwd_inputs(case, other.size, other.dtype)
         _grads(case, case.fn, args, other.size, upstream)
@@ -140,8 +140,23 @@ def test_natural_choice(case, pc):
     for name, g, a in zip(case.out_names, got, case.fused(args, size)):
         assert torch.equal(g, a), f"{name} differs bitwise between two calls"
     cpu = case.fused([a.cpu() for a in args], size)
-    for name, g, c in zip(case.out_names, got, cpu):
-        torch.testing.assert_close(g.cpu(), c, **tol(dtype), msg=lambda m, n=name: f"{n} vs CPU: {m}")
+    if dtype == F32:
+        # float32 CUDA and CPU kernels round differently; where the problem is
+        # ill-conditioned (importance weights at D = 1024 hinge on log weights
+        # of ~1e3) both may sit far from each other while each is as accurate
+        # as the reference program: they must agree within twice its error.
+        exact = case.ref([a.double() for a in args], size)
+        ref32 = case.ref(args, size)
+        for name, g, c, e, r in zip(case.out_names, got, cpu, exact, ref32):
+            if not g.is_floating_point():  # indices: the same on both devices
+                assert torch.equal(g.cpu(), c), f"{name} differs from the CPU's"
+                continue
+            allowed = 2 * max_abs(r.double() - e) + tol(dtype)["atol"] * max(max_abs(e), 1.0)
+            assert max_abs(g.cpu().double() - c.double()) <= allowed, (
+                f"{name} vs CPU: {max_abs(g.cpu().double() - c.double()):.3e} > {allowed:.3e}")
+    else:
+        for name, g, c in zip(case.out_names, got, cpu):
+            torch.testing.assert_close(g.cpu(), c, **tol(dtype), msg=lambda m, n=name: f"{n} vs CPU: {m}")
 
 
 @pytest.mark.parametrize("case,pc", _params("refused"))
