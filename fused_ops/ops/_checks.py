@@ -43,7 +43,17 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 
 
 def check(cond, *parts):
-    """FUSED_OPS_CHECK: raises ``RuntimeError("".join(map(str, parts)))`` unless ``cond``."""
+    """FUSED_OPS_CHECK: raises ``RuntimeError("".join(map(str, parts)))`` unless ``cond``.
+
+    A plain bool is judged here; a symbolic one (a SymBool of a dynamic
+    shape) goes to ``torch._check``, which records it as a guard.  (Dynamo
+    in some torch releases cannot trace ``torch._check`` with a message
+    closure, which the Python functions would otherwise hit under
+    ``torch.compile`` for every static condition.)"""
+    if isinstance(cond, bool):
+        if not cond:
+            raise RuntimeError("".join(str(p) for p in parts))
+        return
     torch._check(cond, lambda: "".join(str(p) for p in parts))
 
 
