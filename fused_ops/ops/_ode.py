@@ -255,7 +255,9 @@ def odeint_mlp(x0, t, weights, biases, *, method="euler", activation="silu", act
       interpolated at ``t``).
 
     Returns ``[len(t), B, D]`` (``return_all``) or the state at ``t[-1]``
-    ``[B, D]``.  Differentiable in ``x0``, every weight and bias, the
+    ``[B, D]``.  All-bfloat16 (or all-float16) ``x0``, layers and ``cond``
+    are integrated in float32 and the states returned in that dtype; under
+    ``torch.autocast`` in float32 (``fused_ops/ops/_dtypes.py``).  Differentiable in ``x0``, every weight and bias, the
     embedding's parameters and ``cond`` (the fused discrete adjoint,
     :func:`ode_mlp_backward`; memory ``O(num_steps * B * D)``).
     """
