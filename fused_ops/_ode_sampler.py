@@ -5,7 +5,7 @@ one kind of activation), sharing its parameters."""
 import torch
 from torch import nn
 
-from .ops import _ode
+from .ops import _dtypes, _ode
 
 __all__ = ["ODESampler"]
 
@@ -128,11 +128,14 @@ class ODESampler(nn.Module):
                 cond=cond, step_size=self.step_size)
         # The constructor's grid, built without reading a tensor: no host
         # synchronisation, and torch.compile(fullgraph=True) traces it.
-        grid, reverse = _ode.host_grid(self.t0, self.t1, self.num_steps, self.step_size, x0.dtype, x0.device)
-        act, p = _ode._act(self.activation, self.activation_param)
-        states = _ode._integrate(x0, grid, reverse, weights, biases, self.method, act, p, self.time,
-                                 self.time_embedding, cond, torch.is_grad_enabled())
-        return states[-1]
+        # Lower precision as odeint_mlp: float32 with autocast off.
+        x0, weights, biases, cond, out_dtype = _ode.compute_dtype_args(x0, weights, biases, cond)
+        with torch.autocast(x0.device.type, enabled=False):
+            grid, reverse = _ode.host_grid(self.t0, self.t1, self.num_steps, self.step_size, x0.dtype, x0.device)
+            act, p = _ode._act(self.activation, self.activation_param)
+            states = _ode._integrate(x0, grid, reverse, weights, biases, self.method, act, p, self.time,
+                                     self.time_embedding, cond, torch.is_grad_enabled())
+        return _dtypes.from_compute_dtype(states[-1], out_dtype)
 
     def extra_repr(self):
         grid = f"num_steps={self.num_steps}" if self.step_size is None else f"step_size={self.step_size}"

@@ -60,13 +60,26 @@ CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RE
 
 # Small sizes for tests of the Python layer (transforms, forward AD) that
 # run each op a few times per test.
-SMALL_SIZES = {"importance_sampling": (37, 5, 3), "flow_euler": (3, 4, 9, 3), "vae_elbo": (4, 6, 5, 3), "snis": (3, 37, 4)}
+# ode_mlp: 4 steps, so the grid linspace(0, 1, 5) is exact in bfloat16 and
+# float16 (the table makes it in x0's dtype); H = 9 differs from the 8
+# midpoint evaluations, or dynamic shapes would tie time_bias' two sizes.
+SMALL_SIZES = {"importance_sampling": (37, 5, 3), "flow_euler": (3, 4, 9, 3), "vae_elbo": (4, 6, 5, 3), "snis": (3, 37, 4),
+               "resample": (3, 37, 5, "stratified"), "ode_mlp": (3, 2, 9, 4, 1, 0)}
 
 
 def small_calls():
-    """{op name: (Python function, device -> inputs, extra scalar arguments)} at SMALL_SIZES."""
+    """{op name: (Python function of the table's flat tensors, device -> inputs,
+    extra scalar arguments)} at SMALL_SIZES, for the differentiable ops with
+    torch.func support."""
     out = {}
     for name, size in SMALL_SIZES.items():
         case = CASES[name]
-        out[name] = (case.fn, lambda d, case=case, size=size: case.inputs(size, device=d), case.scalars(size))
+        if not (case.differentiable and case.func_transforms):
+            continue
+        n = len(case.arg_names)
+
+        def fn(*a, case=case, size=size, n=n):
+            return case.fn(*case.op_args(a[:n], size, a[n:]))
+
+        out[name] = (fn, lambda d, case=case, size=size: case.inputs(size, device=d), case.scalars(size))
     return out

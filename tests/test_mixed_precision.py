@@ -26,7 +26,17 @@ def _small(case, device, dtype=torch.float32, requires_grad=False):
 
 
 def _float32(args):
-    return [a.detach().float() for a in args]
+    return [a.detach().float() if a.dtype in LOW else a.detach() for a in args]
+
+
+def _each_module(differentiable=False):
+    """One param per op with a module (and gradients, if ``differentiable``)."""
+    return params(lambda c: [("",)] if c.module and (c.differentiable or not differentiable) else [])
+
+
+def _each_op_with_float_args(count):
+    """One param per op with at least ``count`` arguments in the inputs' dtype."""
+    return params(lambda c: [("",)] if len(c.float_args or c.arg_names) >= count else [])
 
 
 def test_every_forward_op_has_an_autocast_rule():
@@ -71,7 +81,8 @@ def test_autocast_leaves_float64_alone(case, device):
     size, args = _small(case, device, dtype=torch.float64)
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         got = case.call(case.packet, args, size)
-    assert all(o.dtype == torch.float64 for o in got)
+    want = case.out_dtypes(torch.float64) if case.out_dtypes is not None else [torch.float64] * len(got)
+    assert [o.dtype for o in got] == want
 
 
 def _identity_linear(n, device):
@@ -83,7 +94,7 @@ def _identity_linear(n, device):
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
-@pytest.mark.parametrize("case", each_op("module"))
+@pytest.mark.parametrize("case", _each_module())
 def test_module_fed_by_autocast_linear(case, dtype, device):
     # An identity nn.Linear under autocast hands the module its input in
     # `dtype`; the module (float32 parameters) computes in float32: what it
@@ -101,7 +112,7 @@ def test_module_fed_by_autocast_linear(case, dtype, device):
     assert_equal(case.out_names, got, want)
 
 
-@pytest.mark.parametrize("case", each_op("module"))
+@pytest.mark.parametrize("case", _each_module(differentiable=True))
 def test_training_step_with_grad_scaler(case, device):
     # linear -> fused module -> loss under autocast, scaled backward,
     # unscale, step.  The gradients of the module's parameters and of its
@@ -162,13 +173,16 @@ def test_training_step_with_grad_scaler(case, device):
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
 @pytest.mark.parametrize("case", each_op())
 def test_low_precision_inputs_computed_in_float32(case, dtype, device):
-    # All inputs in `dtype`: the float32 op on the same values, rounded to
-    # `dtype` (bitwise); gradients come back in the inputs' dtype.
+    # All inputs in `dtype` (those of the op's float_args): the float32 op on
+    # the same values, floating outputs rounded to `dtype` (bitwise), integer
+    # ones as they are; gradients come back in the inputs' dtype.
     size, args = _small(case, device)
-    args = [a.to(dtype).requires_grad_() for a in args]
+    args = [a.requires_grad_(case.differentiable) for a in case.in_dtype(args, dtype)]
     got = case.fused(args, size)
     want = case.fused(_float32(args), size)
-    assert_equal(case.out_names, got, tuple(w.to(dtype) for w in want))
+    assert_equal(case.out_names, got, tuple(w.to(dtype) if w.is_floating_point() else w for w in want))
+    if not case.differentiable:
+        return
     grads = torch.autograd.grad(sum(o.float().sum() for o in got), args)
     assert all(g.dtype == dtype and g.shape == a.shape for g, a in zip(grads, args))
 
@@ -179,18 +193,20 @@ def test_torch_ops_refuse_low_precision(case, dtype):
     # torch.ops.fused_ops.* keeps the kernels' rule: float32 or float64.
     size, args = _small(case, "cpu")
     with pytest.raises(RuntimeError) as excinfo:
-        case.call(case.packet, [a.to(dtype) for a in args], size)
+        case.call(case.packet, case.in_dtype(args, dtype), size)
     check_error_names(excinfo, case.arg_names[0], "float32 or float64")
 
 
-@pytest.mark.parametrize("case", each_op())
+@pytest.mark.parametrize("case", _each_op_with_float_args(2))
 def test_mixed_low_precision_refused_by_name(case):
     size, args = _small(case, "cpu")
-    args = [a.bfloat16() for a in args]
-    args[-1] = args[-1].half()
+    args = case.in_dtype(args, torch.bfloat16)
+    last = (case.float_args or case.arg_names)[-1]
+    i = case.arg_names.index(last)
+    args[i] = args[i].half()
     with pytest.raises(RuntimeError) as excinfo:
         case.fused(args, size)
-    check_error_names(excinfo, case.arg_names[-1], "same dtype")
+    check_error_names(excinfo, last, "same dtype")
 
 
 def _max_err(outs, exact):
@@ -210,18 +226,22 @@ def test_low_precision_accuracy_vs_float64(case, dtype, acc, device):
     # run in `dtype` (2x), plus one ulp of `dtype` of each output's scale
     # (the final rounding alone costs half of one).  Outputs and gradients.
     eps = torch.finfo(dtype).eps
-    args = [a.to(dtype) for a in case.inputs(acc.size, dtype=torch.float64, device=device, **acc.make_kw)]
-    exact_in = [a.double().requires_grad_() for a in args]
+    grad = case.differentiable
+    args = case.in_dtype(case.inputs(acc.size, dtype=torch.float64, device=device, **acc.make_kw), dtype)
+    exact_in = [a.double().requires_grad_(grad) for a in args]
     exact = case.ref(exact_in, acc.size)
-    low_in = [a.clone().requires_grad_() for a in args]
+    low_in = [a.clone().requires_grad_(grad) for a in args]
     plain = case.ref(low_in, acc.size)
-    fused_in = [a.clone().requires_grad_() for a in args]
+    fused_in = [a.clone().requires_grad_(grad) for a in args]
     fused = case.fused(fused_in, acc.size)
-    assert all(o.dtype == dtype for o in fused)
+    out_dtypes = case.out_dtypes(dtype) if case.out_dtypes is not None else [dtype] * len(fused)
+    assert [o.dtype for o in fused] == out_dtypes
     sync(device)
     for name, f, p, e in zip(case.out_names, _max_err(fused, exact), _max_err(plain, exact), exact):
         floor = eps * max(e.abs().max().item() if e.numel() else 0.0, acc.scale_min)
         assert f <= 2 * p + floor, (name, f, p, floor)
+    if not grad:
+        return
 
     # Gradients of a loss over every output (upstream drawn in float64, rounded).
     ups = [torch.randn(e.shape, dtype=torch.float64, device=device).to(dtype) for e in exact]

@@ -85,12 +85,17 @@ def to_compute_dtype(names, tensors):
 
 
 def from_compute_dtype(outputs, dtype):
-    """``outputs`` (a tensor or a tuple of them) cast to ``dtype`` (None: unchanged)."""
+    """``outputs`` (a tensor or a tuple of them) cast to ``dtype`` (None:
+    unchanged); integer outputs (indices) keep their dtype."""
     if dtype is None:
         return outputs
     if isinstance(outputs, tuple):
-        return tuple(o.to(dtype) for o in outputs)
-    return outputs.to(dtype)
+        return tuple(_cast_output(o, dtype) for o in outputs)
+    return _cast_output(outputs, dtype)
+
+
+def _cast_output(o, dtype):
+    return o.to(dtype) if o.is_floating_point() else o
 
 
 def forward_op_names():

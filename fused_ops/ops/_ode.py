@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _eager
+from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["METHODS", "ACTIVATIONS", "odeint_fixed", "odeint_mlp", "ode_mlp", "ode_mlp_backward", "mlp_velocity"]
@@ -254,7 +255,9 @@ def odeint_mlp(x0, t, weights, biases, *, method="euler", activation="silu", act
       interpolated at ``t``).
 
     Returns ``[len(t), B, D]`` (``return_all``) or the state at ``t[-1]``
-    ``[B, D]``.  Differentiable in ``x0``, every weight and bias, the
+    ``[B, D]``.  All-bfloat16 (or all-float16) ``x0``, layers and ``cond``
+    are integrated in float32 and the states returned in that dtype; under
+    ``torch.autocast`` in float32 (``fused_ops/ops/_dtypes.py``).  Differentiable in ``x0``, every weight and bias, the
     embedding's parameters and ``cond`` (the fused discrete adjoint,
     :func:`ode_mlp_backward`; memory ``O(num_steps * B * D)``).
     """
@@ -268,13 +271,27 @@ def odeint_mlp(x0, t, weights, biases, *, method="euler", activation="silu", act
     if len(biases) != len(weights):
         raise ValueError(f"biases must hold one bias (or None) per layer ({len(weights)}), got {len(biases)}")
     check_rank(x0, "x0", 2, "[B, D]")
-    t = torch.as_tensor(t).to(device=x0.device, dtype=x0.dtype)
-    grid, reverse = time_grid(t, step_size)
-    states = _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_embedding, cond,
-                        return_all or torch.is_grad_enabled())
-    if not return_all:
-        return states[-1]
-    return interpolate(states, grid, -t if reverse else t)
+    x0, weights, biases, cond, out_dtype = compute_dtype_args(x0, weights, biases, cond)
+    with torch.autocast(x0.device.type, enabled=False):
+        t = torch.as_tensor(t).to(device=x0.device, dtype=x0.dtype)
+        grid, reverse = time_grid(t, step_size)
+        states = _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_embedding, cond,
+                            return_all or torch.is_grad_enabled())
+        out = states[-1] if not return_all else interpolate(states, grid, -t if reverse else t)
+    return _dtypes.from_compute_dtype(out, out_dtype)
+
+
+def compute_dtype_args(x0, weights, biases, cond):
+    """``(x0, weights, biases, cond, out_dtype)`` in the dtype the integration
+    computes in (``_dtypes.to_compute_dtype``: float32 for bfloat16/float16
+    inputs and under autocast) and the states' dtype (None: as computed).
+    The caller runs the whole integration, time features and bias folding
+    included, with autocast off, so it is the float32 program on the rounded
+    inputs, and casts the states back with ``_dtypes.from_compute_dtype``."""
+    nw, nb = len(weights), len(biases)
+    names = ("x0", *(f"weights[{i}]" for i in range(nw)), *(f"biases[{i}]" for i in range(nb)), "cond")
+    args, out_dtype = _dtypes.to_compute_dtype(names, (x0, *weights, *biases, cond))
+    return args[0], list(args[1:1 + nw]), list(args[1 + nw:1 + nw + nb]), args[-1], out_dtype
 
 
 def _round(x, dtype):
@@ -345,8 +362,22 @@ def ode_mlp(x0: Tensor, t_grid: Tensor, weights: list, biases: list, time_bias: 
     ``sample_bias [B, H_0]`` or None (the conditioning's share); ``method``
     and ``activation`` codes (:data:`METHODS`, :data:`ACTIVATIONS`).
     Returns ``[S+1, B, D]`` (every state; ``all_states``) or ``[1, B, D]``.
+
+    Dtypes: all float32 or all float64 (the kernels' rule, which
+    ``torch.ops.fused_ops.ode_mlp`` keeps); this function also takes
+    all-bfloat16 or all-float16 tensors, computes in float32 and returns the
+    states in that dtype (gradients too); under ``torch.autocast`` float32
+    (``fused_ops/ops/_dtypes.py``).
     """
-    return _OP(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation, act_param, all_states)
+    weights, biases = list(weights), list(biases)
+    names = ("x0", "t_grid", *(f"weights[{i}]" for i in range(len(weights))),
+             *(f"biases[{i}]" for i in range(len(biases))), "time_bias", "sample_bias")
+    args, out_dtype = _dtypes.to_compute_dtype(names, (x0, t_grid, *weights, *biases, time_bias, sample_bias))
+    nw = len(weights)
+    x0, t_grid, weights, biases = args[0], args[1], list(args[2:2 + nw]), list(args[2 + nw:-2])
+    time_bias, sample_bias = args[-2:]
+    states = _OP(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation, act_param, all_states)
+    return _dtypes.from_compute_dtype(states, out_dtype)
 
 
 def _check_args(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation):

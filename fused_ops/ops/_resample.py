@@ -12,6 +12,7 @@ import operator
 import torch
 from torch import Tensor
 
+from . import _dtypes
 from ._checks import check, check_size, device_str, dtype_str, shape_str
 
 __all__ = ["resample", "METHODS"]
@@ -36,6 +37,11 @@ def resample(
     problems.  Returns int64 ``indices [..., M]``, ``M = num_samples``
     (default ``N``), each in ``[0, N)``.  Any ``N >= 1`` and ``M >= 0``,
     also beyond the 2**24 categories ``torch.multinomial`` accepts.
+
+    This function also takes bfloat16/float16 log weights (and any under
+    ``torch.autocast``): they are searched in float32, as
+    ``fused_ops/ops/_dtypes.py`` rules; ``uniforms`` stay float64 and the
+    indices int64 whatever the log weights' dtype.
 
     Math, per problem, with ``w_i = exp(lw_i - max lw)`` and the float64 CDF
     ``C_i = w_0 + ... + w_i``: sorted positions ``p_0 <= ... <= p_{M-1}`` in
@@ -82,6 +88,9 @@ def resample(
         raise TypeError("num_samples must be an int, got bool")
     else:
         num_samples = operator.index(num_samples)
+    # Only the log weights follow the inputs' dtype (uniforms are float64
+    # draws, the indices int64), so they alone are cast.
+    (log_weights,), _ = _dtypes.to_compute_dtype(("log_weights",), (log_weights,))
     if uniforms is None:
         _check_log_weights(log_weights)
         check(num_samples >= 0, "num_samples must be >= 0, got ", num_samples)

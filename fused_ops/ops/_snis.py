@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import _eager
+from . import _dtypes
 from ._checks import check, check_same_float_dtype_and_device, check_size, shape_str
 
 __all__ = ["snis", "snis_backward"]
@@ -25,6 +26,14 @@ def snis(log_weights: Tensor, samples: Tensor | None = None, moments: bool = Fal
     independent problems), ``samples [..., N, D]`` or ``None``; float32 or
     float64, one device (CPU or CUDA).  ``moments=True`` (needs samples)
     also returns the weighted variance.
+
+    Dtypes: all float32 or all float64 (the kernels' rule, which
+    ``torch.ops.fused_ops.snis`` keeps); this function also takes
+    all-bfloat16 or all-float16 inputs, computes in float32 and returns the
+    outputs in the inputs' dtype (gradients too).  Under ``torch.autocast``
+    (CPU, CUDA) lower-precision and float32 inputs run in float32 and the
+    outputs are float32; float64 inputs stay float64
+    (``fused_ops/ops/_dtypes.py``).
 
     Math, per problem (``lw`` = ``log_weights``, e.g. ``log p(x) - log q(x)``)::
 
@@ -51,7 +60,11 @@ def snis(log_weights: Tensor, samples: Tensor | None = None, moments: bool = Fal
     :func:`snis_backward` op; double backward and forward-mode AD are not
     supported.  Across processes: :func:`fused_ops.distributed.snis`.
     """
-    return _eager.call(_OP, (log_weights, samples), bool(moments))
+    args, out_dtype = _dtypes.to_compute_dtype(_ARG_NAMES, (log_weights, samples))
+    return _dtypes.from_compute_dtype(_eager.call(_OP, args, bool(moments)), out_dtype)
+
+
+_ARG_NAMES = ("log_weights", "samples")
 
 
 def _check_args(log_weights, samples, moments, lw_name="log_weights"):

@@ -105,10 +105,21 @@ class OpCase:
     optional_args: tuple = ()
     # dtype of the inputs -> [dtype per output]; None: every output has the inputs' dtype.
     out_dtypes: Optional[Callable] = None
+    # The arguments in the inputs' floating dtype (what bfloat16/float16 inputs
+    # are: tests/test_mixed_precision.py); None: every one.  Others keep a
+    # dtype of their own (resample's float64 uniforms).
+    float_args: Optional[tuple] = None
     # False for an op without gradients (integer outputs): the autograd
     # contract (test_contract_autograd.py) and its table fields do not apply.
     differentiable: bool = True
     scalars: Callable = lambda size: ()
+    # False for an op whose Python function has no torch.func (vmap, grad,
+    # jvp) support: test_func_transforms.py and test_forward_ad.py skip it.
+    func_transforms: bool = True
+    # The entries of a size that are tensor dimensions (None: every one): what
+    # the dynamic-shape test grows; the others (a method, resample's
+    # num_samples: int arguments of the schema) stay.
+    tensor_dims: Optional[tuple] = None
     size_id: Callable = lambda size: "x".join(map(str, size))
     # A fresh value of the first input with the maker's distribution (graph replays).
     fresh_first: Callable = torch.randn_like
@@ -198,6 +209,11 @@ class OpCase:
 
     def inputs(self, size, dtype=F32, device="cpu", requires_grad=False, **kw):
         return list(self.make(size, dtype=dtype, device=device, requires_grad=requires_grad, **kw))
+
+    def in_dtype(self, args, dtype):
+        """``args`` with the :attr:`float_args` cast to ``dtype``, the others as they are."""
+        names = self.arg_names if self.float_args is None else self.float_args
+        return [a.to(dtype) if n in names else a for n, a in zip(self.arg_names, args)]
 
     def op_args(self, args, size, scalars=None):
         """The op's arguments for the table's ``args`` (an op whose schema groups

@@ -166,8 +166,6 @@ SNIS = OpCase(
         Bad("batch_mismatch", _bad(log_weights=lambda t: t.expand(2, 6), samples=lambda t: t.expand(3, 6, 3)),
             "samples", r"shape\[0\] must be 2 \(a batch dimension"),
         Bad("log_weights_int64", _bad(log_weights=lambda t: t.long()), "log_weights", r"float32 or float64"),
-        Bad("all_float16", _bad(log_weights=lambda t: t.half(), samples=lambda t: t.half()), "log_weights",
-            r"float32 or float64"),
         Bad("samples_float64", _bad(samples=lambda t: t.double()), "samples", r"same dtype as log_weights"),
         Bad("moments_without_samples", _bad(samples=lambda t: None), "samples", r"moments=True"),
     ),
