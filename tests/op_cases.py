@@ -60,8 +60,8 @@ CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RE
 
 # Small sizes for tests of the Python layer (transforms, forward AD) that
 # run each op a few times per test.
-# ode_mlp: 4 steps, so the grid linspace(0, 1, 5) is exact in bfloat16 and
-# float16 (the table makes it in x0's dtype); H = 9 differs from the 8
+# ode_mlp: 4 steps (the table's grid, spaced 2^-m, is exact in bfloat16 and
+# float16 in any case); H = 9 differs from the 8
 # midpoint evaluations, or dynamic shapes would tie time_bias' two sizes.
 SMALL_SIZES = {"importance_sampling": (37, 5, 3), "flow_euler": (3, 4, 9, 3), "vae_elbo": (4, 6, 5, 3), "snis": (3, 37, 4),
                "resample": (3, 37, 5, "stratified"), "ode_mlp": (3, 2, 9, 4, 1, 0)}

@@ -4,7 +4,7 @@ The op's schema takes its layers as lists (``Tensor?[] weights, biases``);
 the table sees a three-layer field as flat tensors named as the op's errors
 name them, ``x0, weights[0..2], biases[0..1], time_bias`` (``[H, D]``,
 ``[H, H]``, ``[D, H]``), and ``OdeCase.op_args`` regroups them into the op's
-arguments, with the grid ``t_grid = linspace(0, 1, steps + 1)`` made from the
+arguments, with the grid ``t_grid = k * 2^-m`` (k = 0..steps, 2^m >= steps) made from the
 size in ``x0``'s dtype and on its device (not a table argument: the op has no
 gradient for it) and ``sample_bias=None`` (optional: a None there is valid;
 tests/test_ode_mlp.py covers the conditioning).  The
@@ -32,9 +32,16 @@ def _scalars(s):
     return (s[4], s[5], _PARAM.get(s[5], 0.0), True)
 
 
+def _uniform_grid(steps, dtype, device):
+    """steps + 1 times spaced 2^-m apart (2^m >= steps): exact in every float
+    dtype, so a float16 or float32 call and its float64 reference integrate
+    over the same grid."""
+    m = max(steps - 1, 0).bit_length()
+    return torch.arange(steps + 1, dtype=F64, device=device).mul_(2.0**-m).to(dtype)
+
+
 def _grid(size, like):
-    return torch.linspace(0.0, 1.0, size[3] + 1, dtype=like.dtype if like is not None else F32,
-                          device=like.device if like is not None else "cpu")
+    return _uniform_grid(size[3], like.dtype if like is not None else F32, like.device if like is not None else "cpu")
 
 
 def _group(args, size):
@@ -54,7 +61,7 @@ class OdeCase(OpCase):
         grad_states, x0, w0, w1, w2, b1, b2, tb, states, *scalars = a
         like = x0 if isinstance(x0, torch.Tensor) else w0
         steps = (states if states is not None else grad_states).shape[0] - 1
-        t = torch.linspace(0.0, 1.0, steps + 1, dtype=like.dtype, device=like.device)
+        t = _uniform_grid(steps, like.dtype, like.device)
         return (grad_states, states, x0, t, [w0, w1, w2], [b1, b2], tb, None, *scalars)
 
 
