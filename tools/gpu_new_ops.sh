@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A narrower GPU check than tools/gpu.sh: build, compute-sanitizer racecheck and memcheck over
 # the snis, resample and ode_mlp tables, and the CUDA tests of those ops and the VAE options, in
-# parallel processes (for a short device lease).  OUT=/dir bash tools/gpu_new_ops.sh
+# parallel processes, so the whole check fits in a few minutes.  OUT=/dir bash tools/gpu_new_ops.sh
 set -u
 OUT=${OUT:?}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
