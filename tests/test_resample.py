@@ -33,15 +33,10 @@ def _weights(device):
     return w.log().to(device), w
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_distribution_of_counts(method, device):
-    # 4000 independent problems of the same weights, M = 40 samples each.
-    lw, w = _weights(device)
-    B, M = 4000, 40
-    idx = fused_ops.resample(lw.float().expand(B, -1), M, method)
-    counts = _counts(idx, len(w)).cpu()
-    mean = M * w
-    assert counts[:, 1].sum() == 0, "an index of zero weight was drawn"
+def _check_counts(counts, w, M, method):
+    """Counts [B, K] of B independent draws of M indices from weights w [K]."""
+    B, mean = counts.shape[0], M * w
+    assert counts[:, w == 0].sum() == 0, "an index of zero weight was drawn"
     pos = w > 0
     # Pooled counts: chi-square against B * M * w (every method is unbiased).
     total = counts.sum(0)
@@ -57,6 +52,36 @@ def test_distribution_of_counts(method, device):
     else:
         # Every draw's count of index i is within one of M * w_i.
         assert ((counts - mean).abs() < 1 + 1e-9).all(), (method, (counts - mean).abs().max())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_distribution_of_counts(method, device):
+    # 4000 independent problems of the same weights, M = 40 samples each.
+    lw, w = _weights(device)
+    B, M = 4000, 40
+    idx = fused_ops.resample(lw.float().expand(B, -1), M, method)
+    _check_counts(_counts(idx, len(w)).cpu(), w, M, method)
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_multiblock_distribution_of_counts(method):
+    # The weights of _weights spread over N = 70001 log weights (the rest
+    # -inf), so the categories fall in different chunks of "multiblock"
+    # (chunks of 2048): 64 problems (its limit), M = 3000 samples each.
+    from fused_ops import _paths
+
+    lw6, w = _weights("cuda")
+    where = torch.tensor([3, 2100, 2101, 30000, 51234, 70000], device="cuda")
+    lw = torch.full((64, 70001), -INF, device="cuda")
+    lw[:, where] = lw6.float()
+    M = 3000
+    with _paths.force("resample", "multiblock"):
+        idx = fused_ops.resample(lw, M, method)
+    torch.cuda.synchronize()
+    assert bool((idx[:, 1:] >= idx[:, :-1]).all()), "indices are ascending"
+    assert bool(torch.isin(idx, where).all()), "an index of zero weight was drawn"
+    _check_counts(_counts(torch.searchsorted(where, idx), len(w)).cpu(), w, M, method)
 
 
 def test_beyond_2_24_categories_and_samples():

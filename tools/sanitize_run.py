@@ -366,6 +366,8 @@ RESAMPLE_CASES = [
     case("multiblock", None, 300007, 300007, "systematic", F32, note="one big problem, a partial last chunk"),
     case("multiblock", 2, 70001, 5000, "stratified", F64, note="float64, M < N: chunks owning no target"),
     case("multiblock", 3, 65536, 200000, "stratified", F32, note="M > N"),
+    case("multiblock", 2, 70001, 30011, "multinomial", F32, note="multinomial: positions written, ranges, merge"),
+    case("multiblock", None, 65537, 5, "multinomial", F64, note="multinomial, fewer positions than chunks"),
 ]
 
 ODE_CASES = [

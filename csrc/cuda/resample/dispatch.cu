@@ -21,11 +21,11 @@ using Call = ResampleCall;
 namespace rp = resample_paths;
 
 const dispatch::PathTable<Call, 2> kPaths("resample", "cuda", {{
-    {"multiblock", "stratified or systematic, N >= 65536, at most 64 problems",
-     "a few big problems: chunks of each problem on many blocks (three launches)",
+    {"multiblock", "N >= 65536, at most 64 problems",
+     "a few big problems: chunks of each problem on many blocks (three launches; multinomial: seven)",
      rp::multiblock_applies, rp::launch_multiblock},
     {"block", "anything else (any N, M, method, batch)",
-     "one block per problem: batches of problems, and multinomial (its positions are one scan)",
+     "one block per problem: batches of problems, and small N",
      dispatch::always<Call>, rp::launch_block},
 }});
 

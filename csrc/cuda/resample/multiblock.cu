@@ -1,13 +1,16 @@
 // \brief resample, path "multiblock": a few big problems, each spread over
-// many thread blocks: stratified and systematic resampling at large N.
+// many thread blocks: resampling at large N, every method.
 //
-// When: stratified or systematic, N >= 2^16 and at most 64 problems (fewer
-// problems than would fill the GPU one block each).  Multinomial positions
-// come from a scan over all M uniforms, which has no random access; those
-// calls take "block".
+// When: N >= 2^16 and at most 64 problems (fewer problems than would fill
+// the GPU one block each).
 //
 // Design: three launches on the current stream, chunks of kTile = 2048
-// weights, grids of (chunks, problems) blocks of 256 threads.
+// weights, grids of (chunks, problems) blocks of 256 threads.  Multinomial
+// positions come from a scan over all M uniforms, which has no random
+// access: positions.cu first writes them, sorted, into the indices' buffer
+// (three more launches), a fourth launch finds each chunk's k range by
+// binary search in them, and the merge reads position k and overwrites it
+// with index k in the same thread.
 //   1. partials: per chunk its maximum, sum_i exp(lw_i - chunk max) (float64),
 //      last index of positive weight, and whether it holds NaN/+inf;
 //   2. prefix (one block per problem): the global max, each chunk's sum
@@ -159,19 +162,40 @@ __global__ void __launch_bounds__(kThreads) prefix_kernel(Workspace w, int64_t C
   }
 }
 
+// Position k of a problem: computed (stratified, systematic) or read back
+// from the indices' buffer, where positions.cu wrote it (multinomial).
+__device__ __forceinline__ double position_at(const double* u, const int64_t* out, ResampleMethod method, int64_t k,
+                                              int64_t M) {
+  return method == ResampleMethod::kMultinomial ? __longlong_as_double(out[k]) : strided_at(u, method, k, M);
+}
+
 // First k in [0, M] with p_k * total >= x (M when none).
-__device__ int64_t first_position_at_or_above(const double* u, ResampleMethod method, int64_t M, double total,
-                                              double x) {
+__device__ int64_t first_position_at_or_above(const double* u, const int64_t* out, ResampleMethod method, int64_t M,
+                                              double total, double x) {
   int64_t lo = 0, hi = M;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (strided_at(u, method, mid, M) * total >= x) hi = mid; else lo = mid + 1;
+    if (position_at(u, out, method, mid, M) * total >= x) hi = mid; else lo = mid + 1;
   }
   return lo;
 }
 
+// Multinomial: the first k of every chunk's range, k_first[b, c] (and M at
+// c = C), before the merge overwrites the positions; one thread per chunk.
+__global__ void __launch_bounds__(kThreads) ranges_kernel(const int64_t* out, Workspace w, int64_t* k_first,
+                                                          int64_t M, int64_t C) {
+  const int64_t b = blockIdx.y, c = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (c > C || w.status[b]) return;
+  const double* prefix = w.prefix + b * (C + 1);
+  k_first[b * (C + 1) + c] = c == C ? M : first_position_at_or_above(nullptr, out + b * M,
+                                                                     ResampleMethod::kMultinomial, M, prefix[C],
+                                                                     prefix[c]);
+}
+
+// k_first: the multinomial ranges (ranges_kernel), nullptr otherwise.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) merge_kernel(const Args<T> a, Workspace w, int64_t C) {
+__global__ void __launch_bounds__(kThreads) merge_kernel(const Args<T> a, Workspace w, const int64_t* k_first,
+                                                         int64_t C) {
   __shared__ double cdf[kTile];
   __shared__ double scratch[kWarps];
   __shared__ int64_t last_positive, k_range[2];
@@ -185,8 +209,13 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const Args<T> a, Worksp
   const double total = prefix[C], lo = prefix[c];
   const double* u = a.u + b * a.U;
   if (threadIdx.x == 0) {
-    k_range[0] = first_position_at_or_above(u, a.method, M, total, lo);
-    k_range[1] = c + 1 == C ? M : first_position_at_or_above(u, a.method, M, total, prefix[c + 1]);
+    if (k_first != nullptr) {
+      k_range[0] = k_first[b * (C + 1) + c];
+      k_range[1] = k_first[b * (C + 1) + c + 1];
+    } else {
+      k_range[0] = first_position_at_or_above(u, out, a.method, M, total, lo);
+      k_range[1] = c + 1 == C ? M : first_position_at_or_above(u, out, a.method, M, total, prefix[c + 1]);
+    }
     last_positive = w.part_last[b * C + c];
   }
   __syncthreads();
@@ -196,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const Args<T> a, Worksp
   cdf_tile(a.lw + b * a.N, a.N, base, w.gmax[b], lo, cdf, scratch, &last_positive);
   const int64_t fallback = w.part_last[b * C + c];
   for (int64_t k = k0 + threadIdx.x; k < k1; k += kThreads) {
-    const int64_t r = upper_bound(cdf, 0, n, strided_at(u, a.method, k, M) * total);
+    const int64_t r = upper_bound(cdf, 0, n, position_at(u, out, a.method, k, M) * total);
     out[k] = r < n ? base + r : fallback;
   }
 }
@@ -215,15 +244,25 @@ void launch(const ResampleCall& c) {
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   prefix_kernel<<<unsigned(B), kThreads, 0, stream>>>(w, C);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
-  merge_kernel<T><<<grid, kThreads, 0, stream>>>(args, w, C);
+  Tensor ranges;  // multinomial: k_first [B, C + 1]
+  const int64_t* k_first = nullptr;
+  if (c.method == ResampleMethod::kMultinomial) {
+    write_multinomial_positions(c, stream);
+    ranges = empty_like_device(c.indices, {B * (C + 1)});
+    const dim3 range_grid{unsigned((C + 1 + kThreads - 1) / kThreads), unsigned(B)};
+    ranges_kernel<<<range_grid, kThreads, 0, stream>>>(args.out, w, mdata<int64_t>(ranges), c.M, C);
+    FUSED_OPS_CUDA_LAUNCH_CHECK();
+    k_first = cdata<int64_t>(ranges);
+  }
+  merge_kernel<T><<<grid, kThreads, 0, stream>>>(args, w, k_first, C);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
 
 bool multiblock_applies(const ResampleCall& c) {
-  return c.method != ResampleMethod::kMultinomial && c.N >= kMinN && c.B <= kMaxProblems &&
-         (c.N + kTile - 1) / kTile <= INT32_MAX;
+  return c.N >= kMinN && c.B <= kMaxProblems && (c.N + kTile - 1) / kTile <= INT32_MAX &&
+         (c.M + kTile - 1) / kTile <= INT32_MAX;
 }
 
 void launch_multiblock(const ResampleCall& c) {

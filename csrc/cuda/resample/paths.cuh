@@ -114,6 +114,10 @@ struct MaxOp {
   __device__ __forceinline__ V operator()(V a, V b) const { return a > b ? a : b; }
 };
 
+// multiblock's multinomial pre-pass (positions.cu): the sorted positions of
+// every problem, as float64 bits in c.indices.
+void write_multinomial_positions(const ResampleCall& c, cudaStream_t stream);
+
 bool multiblock_applies(const ResampleCall& c);
 void launch_block(const ResampleCall& c);
 void launch_multiblock(const ResampleCall& c);
