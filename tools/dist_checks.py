@@ -9,7 +9,7 @@ tests/test_distributed_snis.py).  Each check raises AssertionError naming what
 disagreed.
 
 Training.  Every rank builds the same model (the reference, and a fused copy
-with the same parameters), draws the same global batch of ``world * b``
+with the same parameters), draws the same global batch of ``world * per_rank``
 samples and trains on its slice; the loss is a mean over the samples of its
 slice, so DDP's and FSDP2's gradient averaging gives the gradient of the mean
 over the global batch, which a single process computes from the whole batch.
@@ -264,8 +264,9 @@ def check_snis(sizes, batch, d, moments, with_samples, dtype, device="cpu", seed
     """``fused_ops.distributed.snis`` on this rank's shard (``sizes[rank]``
     of the ``sum(sizes)`` samples, in rank order) against ``fused_ops.snis``
     on the concatenation in this process (the same problem on every rank,
-    drawn from ``seed``): values and gradients of a loss of every output; a second call gives the same bits; every rank holds the
-    same replicated outputs.  Returns the largest difference."""
+    drawn from ``seed``): values and gradients of a loss of every output; a
+    second call gives the same bits; every rank holds the same replicated
+    outputs.  Returns the largest difference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     assert len(sizes) == world, f"{len(sizes)} shard sizes for {world} ranks"
     lw, x, ups = (t.to(device) if torch.is_tensor(t) else [u.to(device) for u in t]

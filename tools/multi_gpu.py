@@ -7,7 +7,7 @@ from the repository root, fused_ops built (or installed) with CUDA; pytest
 must be importable (the device checks take their inputs from the test
 suite's op table, tests/op_cases.py).  NVLink multicast stays off: the script
 sets ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` in its
-environment before NCCL starts (and records them).  Checks (``--checks``):
+environment before the process group starts (and records them).  Checks (``--checks``):
 
 - ``modules``: each fused module (tools/dist_checks.MODELS: VAE, FlowODE,
   ODESampler, ImportanceSampler, SNIS) trained for ``--steps`` SGD steps
@@ -37,21 +37,17 @@ scaling code runs at whatever sizes are given, timed by the host clock):
 what the CI test (tests/test_distributed_modules.py) runs.
 """
 
+import argparse
+import datetime
+import json
+import math
 import os
-
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a file: the tools package and an in-place fused_ops (an installed one wins)
@@ -65,6 +61,8 @@ import fused_ops.distributed as fd  # noqa: E402
 from tools import dist_checks  # noqa: E402
 
 CHECKS = ("modules", "snis", "devices", "scaling")
+# NVLink multicast off (NVLS in NCCL, multicast in symmetric memory): set before the process group starts.
+ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def parse_args(argv=None):
@@ -118,7 +116,7 @@ def _run(results, name, fn, *a, **kw):
         results.append({"check": name, "passed": True, "detail": fn(*a, **kw)})
     except Exception as e:  # noqa: BLE001  (the report names it; the exit status fails the run)
         results.append({"check": name, "passed": False, "detail": f"{type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc(limit=4)})
+                        "traceback": traceback.format_exc(limit=-4)})
 
 
 def check_modules(args, device, results):
@@ -253,7 +251,8 @@ def _markdown(report):
                   f"median of {s['repeats']} calls", "",
                   "| | ms per call |", "|---|---|",
                   f"| one device, fused_ops.snis of all N | {s.get('one_device_snis_ms', float('nan')):.4f} |",
-                  f"| {report['world_size']} ranks, fused_ops.distributed.snis (slowest rank) | {s['dist_snis_ms']:.4f} |",
+                  f"| {report['world_size']} ranks, fused_ops.distributed.snis (slowest rank) "
+                  f"| {s['dist_snis_ms']:.4f} |",
                   f"| of which the local fused_ops.snis of the shard | {s['local_snis_ms']:.4f} |",
                   f"| of which the all_gather of the partials (timed alone) | {s['collective_ms']:.4f} "
                   f"({100 * share:.1f}% of the call) |", "",
@@ -266,6 +265,7 @@ def _markdown(report):
 
 def main(argv=None):
     args = parse_args(argv)
+    os.environ.update(ENVIRONMENT)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -308,7 +308,7 @@ def main(argv=None):
                 "backend": args.backend, "world_size": world, "torch": torch.__version__,
                 "fused_ops": fused_ops.__version__, "commit": _commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "environment": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+                "environment": {k: os.environ.get(k) for k in ENVIRONMENT},
                 "argv": sys.argv[1:] if argv is None else list(argv), "passed": ok, "checks": merged,
                 "scaling": figure,
             }
