@@ -1,2 +1,3 @@
 """Device and developer scripts: the GPU run (gpu.sh), the sanitizer driver,
-kernel timing and the comparison of two builds.  Not installed."""
+kernel timing, the comparison of two builds, and the multi-GPU checks
+(multi_gpu.py under torchrun; dist_checks.py).  Not installed."""
