@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -33,6 +34,23 @@ constexpr int64_t kVaeMlpMaxHidden = 4;
 constexpr int64_t kVaeMlpMaxLayers = kVaeMlpMaxHidden + 1;  // the decoder's output layer
 
 using VaeOptTensors = std::vector<std::optional<Tensor>>;
+
+constexpr double kHalfLog2Pi = 0.91893853320467274178;  // 0.5 log(2 pi)
+
+// One element's term with a learned log-variance s: -Normal(a, e^{s/2}).log_prob(x).
+template <typename T>
+C10_HOST_DEVICE inline T gaussian_nll_term(T a, T x, T s) {
+  const T d = a - x;
+  return T(0.5) * d * d * std::exp(-s) + T(0.5) * s + T(kHalfLog2Pi);
+}
+
+// Its gradients, times the upstream d: at the mean (ga; gx = -ga) and at s (gs).
+template <typename T>
+C10_HOST_DEVICE inline void gaussian_nll_backward(T a, T x, T s, T d, T& ga, T& gs) {
+  const T inv_var = std::exp(-s), diff = a - x;
+  ga = d * diff * inv_var;
+  gs = d * T(0.5) * (T(1) - diff * diff * inv_var);
+}
 
 // The checked sizes and contiguous inputs of a call (forward and backward).
 struct VaeMlpInputs {

@@ -16,15 +16,6 @@
 namespace fused_ops {
 namespace cpu {
 
-constexpr double kHalfLog2Pi = 0.91893853320467274178;  // 0.5 log(2 pi)
-
-// The term of one element with a learned log-variance s: Normal(a, e^{s/2})'s NLL.
-template <typename T>
-inline T gaussian_nll_term(T a, T x, T s) {
-  const T d = a - x;
-  return T(0.5) * d * d * std::exp(-s) + T(0.5) * s + T(kHalfLog2Pi);
-}
-
 template <typename T>
 struct VaeMlpCpuOps : OdeCpuOps<T> {
   void head(T* ML, const T* b, const T* eps, T* Z, T* kl, int64_t rows, int64_t L) const {
@@ -65,10 +56,8 @@ struct VaeMlpCpuOps : OdeCpuOps<T> {
       for (int64_t i = 0; i < I; ++i) {
         const int64_t e = r * I + i;
         if (s) {
-          const T inv_var = std::exp(-s[i]), diff = A[e] - x[e];
-          GA[e] = d * diff * inv_var;
+          gaussian_nll_backward(A[e], x[e], s[i], d, GA[e], GS[e]);
           GX[e] = -GA[e];
-          GS[e] = d * T(0.5) * (T(1) - diff * diff * inv_var);
         } else {
           ::fused_ops::recon_backward(likelihood, A[e], x[e], d, GA[e], GX[e]);
         }
