@@ -77,6 +77,7 @@ def vae_mlp_elbo(
     ``"gelu"`` (exact), ``"gelu_tanh"`` (``approximate="tanh"``),
     ``"tanh"``; also ``"selu"``, ``"softplus"`` (beta), ``"sigmoid"``: each
     as ``torch.nn.functional`` computes it (``csrc/common/activations.h``).
+    ``activation`` and ``likelihood`` also take the op's int codes.
 
     ``likelihood`` is one of :data:`fused_ops.LIKELIHOODS`, the term the
     PyTorch expression gives (per sample, summed over features)::
@@ -101,8 +102,11 @@ def vae_mlp_elbo(
     """
     if isinstance(x, Tensor) and x.dim() > 2:
         x = x.reshape(x.shape[0], -1)
-    act, param = activation_code(activation, act_param)
-    lik = likelihood_code(likelihood)
+    if isinstance(activation, int) and not isinstance(activation, bool):  # the op's code (the schema's form)
+        act, param = activation, float(0.0 if act_param is None else act_param)
+    else:
+        act, param = activation_code(activation, act_param)
+    lik = likelihood if isinstance(likelihood, int) and not isinstance(likelihood, bool) else likelihood_code(likelihood)
     enc_weights, enc_biases, dec_weights, dec_biases = (
         list(v) for v in (enc_weights, enc_biases, dec_weights, dec_biases))
     flat = [x, eps, *enc_weights, *enc_biases, w_head, b_head, *dec_weights, *dec_biases]
