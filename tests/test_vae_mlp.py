@@ -299,3 +299,16 @@ def test_bad_names():
     with pytest.raises(ValueError, match="head must be"):
         VAE(10, [8], 2, head="three")
     assert _vae_mlp.MAX_HIDDEN == 4
+
+
+def test_readme_example_runs():
+    """The README's deeper-MLP VAE block runs as written (CPU)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text[text.index("#### Deeper MLPs and other activations"):]
+    start = block.index("```python\n") + len("```python\n")
+    scope = {}
+    exec("import torch\n" + block[start:block.index("```\n", start)], scope)  # noqa: S102
+    assert scope["elbo"].shape == (32,) and scope["vae"]._mlp is not None
+    assert scope["head"].weight.grad is not None and scope["encoder"][0].weight.grad is not None
