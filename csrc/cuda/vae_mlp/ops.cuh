@@ -6,12 +6,12 @@
 //
 // Launch geometry and numerics:
 // - head: one thread per row, its L latent units in order (mu and logvar
-//   read from the head product's [rows, 2L] rows); the KL row sum in the
-//   working precision, in order.
+//   read from the head product's [rows, 2L] rows); the KL row sum in double,
+//   in order (as the CPU kernel sums it).
 // - recon: one warp per row (8 rows per 256-thread block); lane j adds the
-//   bias to features j, j + 32, ... of its row in place and sums their terms,
-//   then a butterfly (cuda/primitives/reductions.cuh) gives the row's sum:
-//   a fixed order, deterministic.
+//   bias to features j, j + 32, ... of its row in place and sums their terms
+//   in double, then a butterfly (cuda/primitives/reductions.cuh) gives the
+//   row's sum: a fixed order, deterministic.
 // - recon_backward, head_backward: grid-stride loops over the elements
 //   ([rows, I] and [rows, L]), the row's upstream gradients read per element.
 // No atomics: every sum has a fixed order.
@@ -39,15 +39,15 @@ __global__ void head_kernel(T* ML, const T* b, const T* eps, T* Z, T* kl, int64_
   VAE_FOR(r, rows) {
     T* mu = ML + r * 2 * L;
     T* lv = mu + L;
-    T acc = T(0);
+    double acc = 0;
     for (int64_t j = 0; j < L; ++j) {
       const T m = mu[j] + b[j], v = lv[j] + b[L + j];
       mu[j] = m;
       lv[j] = v;
       Z[r * L + j] = m + exp(T(0.5) * v) * eps[r * L + j];
-      acc += T(1) + v - m * m - exp(v);
+      acc += double(T(1) + v - m * m - exp(v));
     }
-    kl[r] = T(-0.5) * acc;
+    kl[r] = T(-0.5 * acc);
   }
 }
 
@@ -59,16 +59,17 @@ __global__ void recon_kernel(T* A, const T* b, const T* x, const T* s, const T* 
        r += int64_t(gridDim.x) * kWarpsPerBlock) {
     T* a = A + r * I;
     const T* xr = x + r * I;
-    T acc = T(0);
+    double acc = 0;
     for (int64_t i = lane; i < I; i += 32) {
       const T v = a[i] + b[i];
       a[i] = v;
-      acc += s ? gaussian_nll_term(v, xr[i], s[i]) : recon_term(likelihood, v, xr[i]);
+      acc += double(s ? gaussian_nll_term(v, xr[i], s[i]) : recon_term(likelihood, v, xr[i]));
     }
     acc = cuda::group_allreduce(acc, 32);
     if (lane == 0) {
-      recon[r] = acc;
-      elbo[r] = -(acc + kl[r]);
+      const T rec = T(acc);
+      recon[r] = rec;
+      elbo[r] = -(rec + kl[r]);
     }
   }
 }
