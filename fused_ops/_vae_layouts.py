@@ -13,9 +13,12 @@ else raises a ValueError naming the first layer that does not fit and what
 was expected there.
 """
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["check_linear", "from_modules_paths", "pytorch_examples_paths", "EXAMPLES_LAYERS"]
+__all__ = ["check_linear", "from_modules_paths", "pytorch_examples_paths", "EXAMPLES_LAYERS", "MlpLayout", "mlp_layout",
+           "build_mlp", "mlp_outputs"]
 
 #: pytorch/examples' layer names, in the order of the fused op's weights.
 EXAMPLES_LAYERS = ("fc1", "fc21", "fc22", "fc3", "fc4")
@@ -244,3 +247,57 @@ def mlp_layout(encoder, fc_mu, fc_logvar, decoder):
     out = len(body) - 1
     check_linear(body[-1], f"decoder[{out}]", (i, g), f"(G = {g} to I = {i}, the encoder's input size)")
     return MlpLayout(enc_paths, head, dec_paths + [("decoder", str(out))], act[0], act[1], sigmoid)
+
+
+_BUILD_ACTIVATIONS = {"relu": nn.ReLU, "leaky_relu": nn.LeakyReLU, "elu": nn.ELU, "silu": nn.SiLU, "gelu": nn.GELU,
+                      "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "tanh": nn.Tanh}
+
+
+def build_mlp(input_dim, widths, latent_dim, activation, head, likelihood):
+    """``(encoder, fc_mu, fc_logvar, decoder)`` of ``VAE(I, [H_1, ...], L, ...)``'s
+    general layout: the encoder ``Linear(I, H_1), act, ...``, the heads (``head``
+    "split": ``fc_mu``, ``fc_logvar``; "joint": ``fc_mu = Linear(H, 2L)``, no
+    ``fc_logvar``), the decoder mirroring the widths, ending in a Sigmoid for
+    the likelihoods of a probability ("bernoulli", "gaussian_sigmoid")."""
+    from .ops import LIKELIHOODS
+
+    if activation not in _BUILD_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, _BUILD_ACTIVATIONS))}, got {activation!r}")
+    if head not in ("split", "joint"):
+        raise ValueError(f"head must be 'split' (fc_mu, fc_logvar) or 'joint' ([mu | logvar]), got {head!r}")
+    if likelihood not in LIKELIHOODS:
+        raise ValueError(f"likelihood must be one of {', '.join(map(repr, LIKELIHOODS))}, got {likelihood!r}")
+    if not 1 <= len(widths) <= MAX_HIDDEN:
+        raise ValueError(f"hidden_dim must hold 1 to {MAX_HIDDEN} widths, got {widths}")
+    act = _BUILD_ACTIVATIONS[activation]
+    enc, width = [], input_dim
+    for w in widths:
+        enc += [nn.Linear(width, w), act()]
+        width = w
+    fc_mu = nn.Linear(width, latent_dim * (2 if head == "joint" else 1))
+    fc_logvar = nn.Linear(width, latent_dim) if head == "split" else None
+    dec, width = [], latent_dim
+    for w in reversed(widths):
+        dec += [nn.Linear(width, w), act()]
+        width = w
+    dec.append(nn.Linear(width, input_dim))
+    if likelihood in ("bernoulli", "gaussian_sigmoid"):
+        dec.append(nn.Sigmoid())
+    return nn.Sequential(*enc), fc_mu, fc_logvar, nn.Sequential(*dec)
+
+
+def mlp_outputs(layout, likelihood, x, eps, ew, eb, wh, bh, dw, db):
+    """``(decoder output, mu, logvar)`` of the general layout, in PyTorch:
+    the decoder's output is the mean ``a`` for "gaussian", ``sigmoid(a)`` otherwise."""
+    from .ops._ode import _TORCH_ACTS
+
+    act, p = _TORCH_ACTS[layout.activation], layout.act_param
+    h = x
+    for w, b in zip(ew, eb):
+        h = act(F.linear(h, w, b), p)
+    mu, logvar = F.linear(h, wh, bh).chunk(2, -1)
+    g = mu + torch.exp(0.5 * logvar) * eps
+    for w, b in zip(dw[:-1], db[:-1]):
+        g = act(F.linear(g, w, b), p)
+    a = F.linear(g, dw[-1], db[-1])
+    return (a if likelihood == "gaussian" else torch.sigmoid(a)), mu, logvar

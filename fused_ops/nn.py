@@ -13,7 +13,6 @@ import math
 import struct
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import _eager, _vae_layouts, ops, reference
@@ -323,32 +322,9 @@ class VAE(reference.VAE):
         if (activation, head, likelihood, len(widths)) == ("relu", "split", "bernoulli", 1):
             super().__init__(input_dim, widths[0], latent_dim)
             return
-        acts = {"relu": nn.ReLU, "leaky_relu": nn.LeakyReLU, "elu": nn.ELU, "silu": nn.SiLU, "gelu": nn.GELU,
-                "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "tanh": nn.Tanh}
-        if activation not in acts:
-            raise ValueError(f"activation must be one of {', '.join(map(repr, acts))}, got {activation!r}")
-        if head not in ("split", "joint"):
-            raise ValueError(f"head must be 'split' (fc_mu, fc_logvar) or 'joint' ([mu | logvar]), got {head!r}")
-        if likelihood not in ops.LIKELIHOODS:
-            raise ValueError(f"likelihood must be one of {', '.join(map(repr, ops.LIKELIHOODS))}, got {likelihood!r}")
-        if not 1 <= len(widths) <= _vae_layouts.MAX_HIDDEN:
-            raise ValueError(f"hidden_dim must hold 1 to {_vae_layouts.MAX_HIDDEN} widths, got {widths}")
         nn.Module.__init__(self)
-        enc, width = [], input_dim
-        for w in widths:
-            enc += [nn.Linear(width, w), acts[activation]()]
-            width = w
-        self.encoder = nn.Sequential(*enc)
-        self.fc_mu = nn.Linear(width, latent_dim * (2 if head == "joint" else 1))
-        self.fc_logvar = nn.Linear(width, latent_dim) if head == "split" else None
-        dec, width = [], latent_dim
-        for w in reversed(widths):
-            dec += [nn.Linear(width, w), acts[activation]()]
-            width = w
-        dec.append(nn.Linear(width, input_dim))
-        if likelihood in ("bernoulli", "gaussian_sigmoid"):
-            dec.append(nn.Sigmoid())
-        self.decoder = nn.Sequential(*dec)
+        self.encoder, self.fc_mu, self.fc_logvar, self.decoder = _vae_layouts.build_mlp(
+            input_dim, widths, latent_dim, activation, head, likelihood)
         self._mlp = _vae_layouts.mlp_layout(self.encoder, self.fc_mu, self.fc_logvar, self.decoder)
         self._likelihood = likelihood
 
@@ -406,19 +382,8 @@ class VAE(reference.VAE):
         l_ = wh.shape[0] // 2
         x2, eps2, batch_shape = self._flatten_to(x, eps, ew[0].shape[1], l_, self._mlp.enc[0])
         elbo, recon, kl = self._mlp_forward(x2, eps2)
-        act = ops._ode._TORCH_ACTS[self._mlp.activation]
-        p = self._mlp.act_param
         with torch.no_grad():
-            h = x2
-            for w, b in zip(ew, eb):
-                h = act(F.linear(h, w, b), p)
-            ml = F.linear(h, wh, bh)
-            mu, logvar = ml[:, :l_], ml[:, l_:]
-            g = mu + torch.exp(0.5 * logvar) * eps2
-            for w, b in zip(dw[:-1], db[:-1]):
-                g = act(F.linear(g, w, b), p)
-            a = F.linear(g, dw[-1], db[-1])
-            out = a if self._likelihood == "gaussian" else torch.sigmoid(a)
+            out, mu, logvar = _vae_layouts.mlp_outputs(self._mlp, self._likelihood, x2, eps2, ew, eb, wh, bh, dw, db)
         latent = batch_shape + (l_,)
         return (elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape),
                 out.reshape(x.shape), mu.reshape(latent), logvar.reshape(latent))

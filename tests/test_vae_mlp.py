@@ -130,7 +130,8 @@ def test_learned_log_variance(dtype, device):
 
 def _op_inputs(i, enc, l_, dec, b, dtype=torch.float64, device="cpu", logvar=False):
     def lin(o, n):
-        return [torch.randn(o, n, dtype=dtype, device=device) / n**0.5, 0.1 * torch.randn(o, dtype=dtype, device=device)]
+        opts = dict(dtype=dtype, device=device)
+        return [torch.randn(o, n, **opts) / n**0.5, 0.1 * torch.randn(o, **opts)]
 
     ew, eb, w = [], [], i
     for h in enc:

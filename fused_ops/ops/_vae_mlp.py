@@ -106,7 +106,8 @@ def vae_mlp_elbo(
         act, param = activation, float(0.0 if act_param is None else act_param)
     else:
         act, param = activation_code(activation, act_param)
-    lik = likelihood if isinstance(likelihood, int) and not isinstance(likelihood, bool) else likelihood_code(likelihood)
+    is_code = isinstance(likelihood, int) and not isinstance(likelihood, bool)
+    lik = likelihood if is_code else likelihood_code(likelihood)
     enc_weights, enc_biases, dec_weights, dec_biases = (
         list(v) for v in (enc_weights, enc_biases, dec_weights, dec_biases))
     flat = [x, eps, *enc_weights, *enc_biases, w_head, b_head, *dec_weights, *dec_biases]
