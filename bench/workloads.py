@@ -294,6 +294,39 @@ def _examples_loss(outputs: Any) -> torch.Tensor:
     return -outputs[0].sum()
 
 
+# A Gaussian VAE with two hidden layers each side (784-512-256-64, ReLU), as
+# the MSE VAEs users write it: their own layers and mse_loss(reduction="sum")
+# per sample; fused through VAE.from_modules (fused_ops.vae_mlp_elbo).
+
+
+class _GaussianMLPVAE(torch.nn.Module):
+    """``(elbo, recon, kl)`` per sample of a two-hidden-layer Gaussian VAE."""
+
+    def __init__(self, p: Params):
+        super().__init__()
+        nn = torch.nn
+        i, h1, h2, l_ = p["I"], p["H1"], p["H2"], p["L"]
+        self.encoder = nn.Sequential(nn.Linear(i, h1), nn.ReLU(), nn.Linear(h1, h2), nn.ReLU())
+        self.fc_mu = nn.Linear(h2, l_)
+        self.fc_logvar = nn.Linear(h2, l_)
+        self.decoder = nn.Sequential(nn.Linear(l_, h2), nn.ReLU(), nn.Linear(h2, h1), nn.ReLU(), nn.Linear(h1, i))
+
+    def forward(self, x: torch.Tensor, eps: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        h = self.encoder(x)
+        mu, logvar = self.fc_mu(h), self.fc_logvar(h)
+        recon_x = self.decoder(mu + torch.exp(0.5 * logvar) * eps)
+        recon = torch.nn.functional.mse_loss(recon_x, x, reduction="none").sum(-1)
+        kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(-1)
+        return -(recon + kl), recon, kl
+
+
+def _gaussian_mlp_fused(reference: torch.nn.Module) -> Callable:
+    import fused_ops.nn
+
+    r = reference
+    return fused_ops.nn.VAE.from_modules(r.encoder, r.fc_mu, r.fc_logvar, r.decoder, likelihood="gaussian")
+
+
 # --- SNIS of given log weights ------------------------------------------------
 
 
@@ -443,6 +476,22 @@ WORKLOADS: Dict[str, Workload] = {
             make_inputs=_examples_inputs,
             make_fused=_examples_fused,
             train_loss=_examples_loss,
+        ),
+        # Issue 29: a Gaussian 784-512-256-64 VAE (two hidden layers each
+        # side), forward and training; target >= 2x compile reduce-overhead's
+        # forward at B=128 on the H200.
+        Workload(
+            name="vae_mlp_gaussian",
+            op="vae_mlp_elbo",
+            fused_name="VAE",
+            sizes={
+                "default": {"B": 128, "I": 784, "H1": 512, "H2": 256, "L": 64},
+                "large": {"B": 8192, "I": 784, "H1": 512, "H2": 256, "L": 64},
+            },
+            make_reference=_GaussianMLPVAE,
+            make_inputs=_vae_inputs,
+            make_fused=_gaussian_mlp_fused,
+            train_loss=_vae_loss,
         ),
         # Issue 28: bandwidth-bound; >= 70% of the H200's measured read
         # bandwidth at N = 2^26 (reported as GB/s of bytes_moved).

@@ -182,4 +182,17 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "ode_mlp_backward(Tensor grad_states, Tensor states, Tensor x0, Tensor t_grid, "
       "Tensor?[] weights, Tensor?[] biases, Tensor time_bias, Tensor? sample_bias, int method, "
       "int activation, float act_param) -> Tensor[]");
+  // The ELBO of a VAE with MLPs of 1 to 4 hidden layers and one [mu | logvar]
+  // head (csrc/vae_mlp.h), and its backward (gradients in one list:
+  // csrc/vae_mlp.h's VaeMlpBackwardCall).
+  m.def(
+      "vae_mlp_elbo(Tensor x, Tensor eps, Tensor?[] enc_weights, Tensor?[] enc_biases, "
+      "Tensor w_head, Tensor b_head, Tensor?[] dec_weights, Tensor?[] dec_biases, "
+      "Tensor? dec_logvar, int activation, float act_param, int likelihood) "
+      "-> (Tensor elbo, Tensor recon, Tensor kl)");
+  m.def(
+      "vae_mlp_elbo_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl, Tensor x, "
+      "Tensor eps, Tensor?[] enc_weights, Tensor?[] enc_biases, Tensor w_head, Tensor b_head, "
+      "Tensor?[] dec_weights, Tensor?[] dec_biases, Tensor? dec_logvar, int activation, "
+      "float act_param, int likelihood) -> Tensor[]");
 }

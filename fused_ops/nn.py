@@ -304,8 +304,51 @@ class VAE(reference.VAE):
     _linear_paths = (("encoder", "0"), ("fc_mu",), ("fc_logvar",), ("decoder", "0"), ("decoder", "2"))
     # fused_ops.vae_elbo's likelihood (from_modules sets another).
     _likelihood = "bernoulli"
+    # The general layout (fused_ops/_vae_layouts.py's MlpLayout), run by
+    # fused_ops.vae_mlp_elbo; None: the one-hidden-layer ReLU layout of vae_elbo.
+    _mlp = None
+
+    def __init__(self, input_dim, hidden_dim, latent_dim, *, activation="relu", head="split",
+                 likelihood="bernoulli"):
+        """``hidden_dim``: an int (one hidden layer) or a list of 1 to 4
+        encoder widths (the decoder mirrors them); ``activation``: one of
+        relu, leaky_relu, elu, silu, gelu, gelu_tanh, tanh (torch.nn's
+        default parameters); ``head``: "split" (``fc_mu``, ``fc_logvar``) or
+        "joint" (one ``fc_mu = Linear(H, 2L)`` giving ``[mu | logvar]``);
+        ``likelihood``: a :data:`fused_ops.LIKELIHOODS` name ("bernoulli" and
+        "gaussian_sigmoid" end the decoder in a Sigmoid).  The defaults build
+        the reference exactly (names, creation order, values under one seed)."""
+        widths = [hidden_dim] if isinstance(hidden_dim, int) else list(hidden_dim)
+        if (activation, head, likelihood, len(widths)) == ("relu", "split", "bernoulli", 1):
+            super().__init__(input_dim, widths[0], latent_dim)
+            return
+        nn.Module.__init__(self)
+        self.encoder, self.fc_mu, self.fc_logvar, self.decoder = _vae_layouts.build_mlp(
+            input_dim, widths, latent_dim, activation, head, likelihood)
+        self._mlp = _vae_layouts.mlp_layout(self.encoder, self.fc_mu, self.fc_logvar, self.decoder)
+        self._likelihood = likelihood
+
+    def _mlp_args(self):
+        """The op's weight lists of the general layout (a split head concatenated)."""
+        lay = self._mlp
+        enc = _linear_params(_submodules(self, lay.enc))
+        head = _linear_params(_submodules(self, lay.head))
+        dec = _linear_params(_submodules(self, lay.dec))
+        if len(head) == 4:
+            head = [torch.cat([head[0], head[2]]), torch.cat([head[1], head[3]])]
+        return enc[0::2], enc[1::2], head[0], head[1], dec[0::2], dec[1::2]
+
+    def _mlp_forward(self, x, eps):
+        ew, eb, wh, bh, dw, db = self._mlp_args()
+        x2, eps2, batch_shape = self._flatten_to(x, eps, ew[0].shape[1], wh.shape[0] // 2, self._mlp.enc[0])
+        elbo, recon, kl = ops.vae_mlp_elbo(x2, eps2, ew, eb, wh, bh, dw, db, activation=self._mlp.activation,
+                                           act_param=self._mlp.act_param, likelihood=self._likelihood,
+                                           dec_logvar=self._dec_logvar())
+        return elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape)
 
     def forward(self, x, eps=None):
+        if self._mlp is not None:
+            return self._mlp_forward(x, eps)
         weights = _linear_params(_submodules(self, self._linear_paths))
         if x.dim() == 2 and x.shape[1] == weights[0].shape[1] and (eps is None or eps.dim() == 2):
             if eps is None:
@@ -322,7 +365,10 @@ class VAE(reference.VAE):
         """``(elbo, recon, kl, recon_x, mu, logvar)``: :meth:`forward`'s results
         and the decoder's output (``recon_x``, in x's shape: an image batch
         gives images), ``mu`` and ``logvar`` (``[..., L]``), detached
-        (``fused_ops.vae_elbo(..., return_outputs=True)``)."""
+        (``fused_ops.vae_elbo(..., return_outputs=True)``; for the general
+        layout the outputs come from PyTorch on the same weights)."""
+        if self._mlp is not None:
+            return self._mlp_forward_with_outputs(x, eps)
         weights = _linear_params(_submodules(self, self._linear_paths))
         x2, eps2, batch_shape = self._flatten(x, eps, weights)
         elbo, recon, kl, probs, mu, logvar = ops.vae_elbo(x2, eps2, *weights, likelihood=self._likelihood,
@@ -331,27 +377,43 @@ class VAE(reference.VAE):
         return (elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape),
                 probs.reshape(x.shape), mu.reshape(latent), logvar.reshape(latent))
 
+    def _mlp_forward_with_outputs(self, x, eps):
+        ew, eb, wh, bh, dw, db = self._mlp_args()
+        l_ = wh.shape[0] // 2
+        x2, eps2, batch_shape = self._flatten_to(x, eps, ew[0].shape[1], l_, self._mlp.enc[0])
+        elbo, recon, kl = self._mlp_forward(x2, eps2)
+        with torch.no_grad():
+            out, mu, logvar = _vae_layouts.mlp_outputs(self._mlp, self._likelihood, x2, eps2, ew, eb, wh, bh, dw, db)
+        latent = batch_shape + (l_,)
+        return (elbo.reshape(batch_shape), recon.reshape(batch_shape), kl.reshape(batch_shape),
+                out.reshape(x.shape), mu.reshape(latent), logvar.reshape(latent))
+
     def _dec_logvar(self):
         """The learned per-dimension log-variance (from_modules' dec_logvar), or None."""
         return self._parameters.get("dec_logvar")
 
     def _flatten(self, x, eps, weights):
         """``(x [N, I], eps [N, L], batch shape)`` for the op (the class docstring's two input forms)."""
-        i = weights[0].shape[1]
+        return self._flatten_to(x, eps, weights[0].shape[1], weights[2].shape[0], self._linear_paths[0])
+
+    @staticmethod
+    def _flatten_to(x, eps, i, l_, first_path):
         if x.dim() >= 1 and x.shape[-1] == i:
             batch_shape = x.shape[:-1]
         elif x.dim() >= 2 and math.prod(x.shape[1:]) == i:
             batch_shape = x.shape[:1]
         else:
-            first = ".".join(self._linear_paths[0])
+            first = ".".join(first_path)
             raise ValueError(
                 f"x must be [..., {i}] or [B, ...] with {i} elements per sample ({i} = {first}.in_features), "
                 f"got shape {list(x.shape)}")
         if eps is None:
-            eps = torch.randn_like(x.new_empty(batch_shape + (weights[2].shape[0],)))
+            eps = torch.randn_like(x.new_empty(batch_shape + (l_,)))
         return x.reshape(-1, i), eps.reshape(-1, eps.shape[-1]), batch_shape
 
     def extra_repr(self):
+        if self._mlp is not None:
+            return f"activation={self._mlp.activation}, likelihood={self._likelihood}"
         first, head = _submodules(self, self._linear_paths[:2])
         h, i = first.weight.shape
         extra = "" if self._likelihood == "bernoulli" else f", likelihood={self._likelihood}"
@@ -374,19 +436,33 @@ class VAE(reference.VAE):
         ``nn.Parameter [I]``, a learned per-dimension log-variance of a
         Gaussian with the Linear output as its mean (registered, shared, as
         ``dec_logvar``; the term is then ``-Normal(mean, exp(0.5 *
-        dec_logvar)).log_prob(x).sum(-1)``).  Any other layer,
-        activation, depth or width mismatch raises a ValueError naming the
-        layer (fused_ops/_vae_layouts.py)."""
+        dec_logvar)).log_prob(x).sum(-1)``).
+
+        Deeper or other MLPs run through ``fused_ops.vae_mlp_elbo``: an
+        encoder of 1 to 4 ``(Linear, activation)`` pairs, the decoder's 1 to 4
+        pairs then its output Linear (and optional Sigmoid), one activation
+        of ReLU, LeakyReLU, ELU, SiLU, GELU (either form), Tanh across both;
+        and ``fc_logvar=None`` with ``fc_mu`` one ``Linear(H, 2L)`` giving
+        ``[mu | logvar]``.  Any other layer, activation, depth or width
+        mismatch raises a ValueError naming the layer
+        (fused_ops/_vae_layouts.py)."""
         if likelihood not in ("bernoulli", "gaussian"):
             raise ValueError(f"likelihood must be 'bernoulli' or 'gaussian', got {likelihood!r}")
-        paths, sigmoid = _vae_layouts.from_modules_paths(encoder, fc_mu, fc_logvar, decoder)
+        try:  # the one-hidden-layer ReLU layout: fused_ops.vae_elbo's kernels
+            paths, sigmoid = _vae_layouts.from_modules_paths(encoder, fc_mu, fc_logvar, decoder)
+            layout = None
+        except ValueError:  # else the general layout (fused_ops.vae_mlp_elbo), or its error
+            layout = _vae_layouts.mlp_layout(encoder, fc_mu, fc_logvar, decoder)
+            paths, sigmoid = layout.paths, layout.sigmoid
         if dec_logvar is not None:
+            out = ".".join(paths[-1])
+            i = _submodules(decoder, [paths[-1][1:]])[0].weight.shape[0]
             if likelihood != "gaussian" or sigmoid:
                 raise ValueError("dec_logvar (a learned per-dimension log-variance) needs likelihood='gaussian' "
                                  "and a decoder ending in its Linear (the mean), without Sigmoid")
-            if not isinstance(dec_logvar, nn.Parameter) or tuple(dec_logvar.shape) != (decoder[2].weight.shape[0],):
-                raise ValueError(f"dec_logvar must be an nn.Parameter [I] (I = {decoder[2].weight.shape[0]}, "
-                                 f"decoder[2]'s outputs), got {type(dec_logvar).__name__} of shape "
+            if not isinstance(dec_logvar, nn.Parameter) or tuple(dec_logvar.shape) != (i,):
+                raise ValueError(f"dec_logvar must be an nn.Parameter [I] (I = {i}, "
+                                 f"{out}'s outputs), got {type(dec_logvar).__name__} of shape "
                                  f"{list(getattr(dec_logvar, 'shape', []))}")
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
@@ -394,6 +470,7 @@ class VAE(reference.VAE):
         if dec_logvar is not None:
             fused.dec_logvar = dec_logvar
         fused._linear_paths = paths
+        fused._mlp = layout
         fused._likelihood = {("bernoulli", True): "bernoulli", ("bernoulli", False): "bernoulli_logits",
                              ("gaussian", True): "gaussian_sigmoid", ("gaussian", False): "gaussian"}[
                                  likelihood, sigmoid]

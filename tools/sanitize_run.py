@@ -4,8 +4,8 @@ workload compute-sanitizer runs.
     compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
     python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
-Ops: importance_sampling, flow_euler, vae_elbo, snis, ode_mlp and their ``_backward`` ops, resample
-(all by default; ``flow``, ``vae`` and ``ode`` name both directions of those ops).
+Ops: importance_sampling, flow_euler, vae_elbo, snis, ode_mlp, vae_mlp_elbo and their ``_backward``
+ops, resample (all by default; ``flow``, ``vae``, ``ode`` and ``vae_mlp`` name both directions of those ops).
 
 For each op the kernel-path table of this build (``fused_ops._paths``) gives
 the paths.  Each case below names the path(s) it is meant for; a case is run
@@ -223,6 +223,52 @@ def run_ode_backward(b, d, widths, steps, method, dtype):
     return close(got, want, atol=1e-4, rtol=1e-3)
 
 
+def vae_mlp_inputs(b, i, enc, l_, dec, dtype):
+    """x, eps and the weight lists of a VAE of MLPs (nn.Linear's scale), a [mu | logvar] head."""
+    opts = dict(device="cuda", dtype=dtype)
+
+    def chain(dims):
+        ws = [(torch.rand(o, n, **opts) * 2 - 1) / n**0.5 for n, o in zip(dims[:-1], dims[1:])]
+        return ws, [torch.rand(o, **opts) * 0.2 - 0.1 for o in dims[1:]]
+
+    ew, eb = chain([i, *enc])
+    (wh,), (bh,) = chain([enc[-1], 2 * l_])
+    dw, db = chain([l_, *dec, i])
+    return torch.rand(b, i, **opts), torch.randn(b, l_, **opts), ew, eb, wh, bh, dw, db
+
+
+def vae_mlp_plain(x, eps, ew, eb, wh, bh, dw, db):
+    """The SiLU, Gaussian (MSE sum) VAE the runners call, in plain PyTorch."""
+    F = torch.nn.functional
+    h = x
+    for w, v in zip(ew, eb):
+        h = F.silu(F.linear(h, w, v))
+    mu, logvar = F.linear(h, wh, bh).chunk(2, -1)
+    g = mu + torch.exp(0.5 * logvar) * eps
+    for w, v in zip(dw[:-1], db[:-1]):
+        g = F.silu(F.linear(g, w, v))
+    recon = F.mse_loss(F.linear(g, dw[-1], db[-1]), x, reduction="none").sum(-1)
+    kl = -0.5 * (1 + logvar - mu**2 - torch.exp(logvar)).sum(-1)
+    return -(recon + kl), recon, kl
+
+
+def run_vae_mlp(b, i, enc, l_, dec, dtype):
+    args = vae_mlp_inputs(b, i, enc, l_, dec, dtype)
+    got = fused_ops.vae_mlp_elbo(*args, activation="silu", likelihood="gaussian")
+    return close(got, vae_mlp_plain(*args), atol=1e-3, rtol=1e-4)
+
+
+def run_vae_mlp_backward(b, i, enc, l_, dec, dtype):
+    x, eps, ew, eb, wh, bh, dw, db = vae_mlp_inputs(b, i, enc, l_, dec, dtype)
+    flat = [t.requires_grad_() for t in (x, eps, *ew, *eb, wh, bh, *dw, *db)]
+    up = [torch.randn(b, device="cuda", dtype=dtype) for _ in range(3)]
+    got = fused_ops.vae_mlp_elbo(x, eps, ew, eb, wh, bh, dw, db, activation="silu", likelihood="gaussian")
+    want = vae_mlp_plain(x, eps, ew, eb, wh, bh, dw, db)
+    g = torch.autograd.grad(got, flat, up)
+    w = torch.autograd.grad(want, flat, up)
+    return close(g, w, atol=1e-3, rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------
 # The cases.  Sizes: importance sampling (N, D, K, dtype[, upstreams]); flow
 # (B, D, H, num_steps, dtype); VAE (B, I, H, L, dtype[, upstreams]); resample
@@ -385,6 +431,20 @@ ODE_BACKWARD_CASES = [
     case(NATURAL, 0, 2, (8,), 2, "euler", F32, note="empty batch: zero weight gradients"),
 ]
 
+# vae_mlp_elbo: (B, I, encoder widths, L, decoder widths, dtype).
+VAE_MLP_CASES = [
+    case("cublas", 130, 20, (17, 9), 4, (9, 17), F32, note="odd widths, a partial warp of rows"),
+    case("cublas", 33, 784, (512, 256), 64, (256, 512), F32, note="the benchmark's Gaussian model"),
+    case("cublas", 5, 6, (5, 4, 3, 2), 2, (2, 3, 4, 5), F64, note="four hidden layers each side, float64"),
+    case(NATURAL, 0, 6, (5,), 2, (5,), F32, note="empty batch"),
+]
+
+VAE_MLP_BACKWARD_CASES = [
+    case("cublas", 130, 20, (17, 9), 4, (9, 17), F32, note="odd widths"),
+    case("cublas", 5, 6, (5, 4, 3, 2), 2, (2, 3, 4, 5), F64, note="depth 4, float64"),
+    case(NATURAL, 0, 6, (5,), 2, (5,), F32, note="empty batch: zero weight gradients"),
+]
+
 # op -> (runner, cases); the runner's forced path is the op's own table's.
 OPS = {
     "importance_sampling": (run_is, IS_CASES),
@@ -398,9 +458,11 @@ OPS = {
     "resample": (run_resample, RESAMPLE_CASES),
     "ode_mlp": (run_ode, ODE_CASES),
     "ode_mlp_backward": (run_ode_backward, ODE_BACKWARD_CASES),
+    "vae_mlp_elbo": (run_vae_mlp, VAE_MLP_CASES),
+    "vae_mlp_elbo_backward": (run_vae_mlp_backward, VAE_MLP_BACKWARD_CASES),
 }
 ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
-           "ode": ["ode_mlp", "ode_mlp_backward"],
+           "ode": ["ode_mlp", "ode_mlp_backward"], "vae_mlp": ["vae_mlp_elbo", "vae_mlp_elbo_backward"],
            "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}
 
 

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/activations.h"  // sigmoid_of
 #include "common/bce.h"
 
 namespace fused_ops {
@@ -42,11 +43,6 @@ enum VaeLikelihood : int64_t {
 };
 
 constexpr int64_t kNumVaeLikelihoods = 4;
-
-template <typename T>
-C10_HOST_DEVICE inline T sigmoid_of(T a) {
-  return T(1) / (T(1) + std::exp(-a));
-}
 
 // One element's reconstruction term.
 template <typename T>

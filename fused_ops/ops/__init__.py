@@ -15,6 +15,7 @@ from ._importance_sampling import importance_sampling, importance_sampling_backw
 from ._resample import resample
 from ._vae_elbo import LIKELIHOODS, vae_elbo
 from ._vae_iwae import vae_iwae
+from ._vae_mlp import vae_mlp_elbo
 from ._snis import snis, snis_backward
 from ._ode import ode_mlp, ode_mlp_backward, odeint_fixed, odeint_mlp
 from ._dtypes import register_autocast_rules as _register_autocast_rules
@@ -32,6 +33,7 @@ __all__ = [
     "resample",
     "LIKELIHOODS",
     "vae_iwae",
+    "vae_mlp_elbo",
     "ode_mlp",
     "ode_mlp_backward",
     "odeint_fixed",
