@@ -310,6 +310,6 @@ def test_readme_example_runs():
     block = text[text.index("#### Deeper MLPs and other activations"):]
     start = block.index("```python\n") + len("```python\n")
     scope = {}
-    exec("import torch\n" + block[start:block.index("```\n", start)], scope)  # noqa: S102
+    exec(block[start:block.index("```\n", start)], scope)  # noqa: S102
     assert scope["elbo"].shape == (32,) and scope["vae"]._mlp is not None
     assert scope["head"].weight.grad is not None and scope["encoder"][0].weight.grad is not None
