@@ -15,6 +15,7 @@
 
 #include <torch/csrc/stable/ops.h>
 
+#include <optional>
 #include <tuple>
 
 #include "common/checks.h"
@@ -108,21 +109,27 @@ struct ImportanceLogWeightsCall : ImportanceLogWeightsInputs {
 
 using ImportanceLogWeightsGrads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// One backward call: the upstream gradient grad_log_weights [B, N], the
-// inputs, and the freshly allocated gradients of all seven inputs.
+// One backward call: the upstream gradient grad_log_weights [B, N] (absent:
+// zero, and so are all the gradients), the inputs, and the freshly
+// allocated gradients of all seven inputs.
 struct ImportanceLogWeightsBackwardCall : ImportanceLogWeightsInputs {
+  bool has_grad = false;
   Tensor grad_lw;
   Tensor grad_x, grad_mix_weights, grad_mix_mus, grad_mix_stds, grad_q_weights, grad_q_mus, grad_q_stds;
 
-  ImportanceLogWeightsBackwardCall(const Tensor& grad_log_weights, const Tensor& samples,
+  ImportanceLogWeightsBackwardCall(const std::optional<Tensor>& grad_log_weights, const Tensor& samples,
                                    const Tensor& mix_weights_, const Tensor& mix_mus_, const Tensor& mix_stds_,
                                    const Tensor& q_weights_, const Tensor& q_mus_, const Tensor& q_stds_)
       : ImportanceLogWeightsInputs(samples, mix_weights_, mix_mus_, mix_stds_, q_weights_, q_mus_, q_stds_) {
-    check_rank(grad_log_weights, "grad_log_weights", 2, "[B, N]");
-    check_size(grad_log_weights, "grad_log_weights", 0, B, "B, the number of problems in samples");
-    check_size(grad_log_weights, "grad_log_weights", 1, N, "N, the number of samples per problem");
-    check_same_float_dtype_and_device({{samples, "samples"}, {grad_log_weights, "grad_log_weights"}});
-    grad_lw = as_contiguous(grad_log_weights);
+    has_grad = grad_log_weights.has_value() && grad_log_weights->defined();
+    if (has_grad) {
+      const Tensor& g = *grad_log_weights;
+      check_rank(g, "grad_log_weights", 2, "[B, N]");
+      check_size(g, "grad_log_weights", 0, B, "B, the number of problems in samples");
+      check_size(g, "grad_log_weights", 1, N, "N, the number of samples per problem");
+      check_same_float_dtype_and_device({{samples, "samples"}, {g, "grad_log_weights"}});
+      grad_lw = as_contiguous(g);
+    }
     grad_x = empty_like_device(samples, {B, N, D});
     grad_mix_weights = empty_like_device(samples, {B, K});
     grad_mix_mus = empty_like_device(samples, {B, K, D});
@@ -130,6 +137,14 @@ struct ImportanceLogWeightsBackwardCall : ImportanceLogWeightsInputs {
     grad_q_weights = empty_like_device(samples, {B, Kq});
     grad_q_mus = empty_like_device(samples, {B, Kq, D});
     grad_q_stds = empty_like_device(samples, {B, Kq, D});
+  }
+
+  // The gradients of a call without an upstream gradient: zero.
+  void zero_all() {
+    for (Tensor* t : {&grad_x, &grad_mix_weights, &grad_mix_mus, &grad_mix_stds, &grad_q_weights, &grad_q_mus,
+                      &grad_q_stds}) {
+      torch::stable::zero_(*t);
+    }
   }
 
   ImportanceLogWeightsGrads result() const {

@@ -17,7 +17,8 @@ know about one op, so that each contract check is written once:
 - its CUDA kernel paths (``fused_ops._paths``) with sizes that select each.
 
 Sizes are tuples: importance_sampling (N, D, K); flow_euler (B, D, H, steps);
-vae_elbo (B, I, H, L); snis (B, N, D); resample (B, N, M, method); ode_mlp (B, D, H, steps, method, activation).  Not a test module: pytest collects nothing here.
+vae_elbo (B, I, H, L); snis (B, N, D); resample (B, N, M, method); ode_mlp (B, D, H, steps, method, activation);
+importance_log_weights (B, N, D, K, Kq).  Not a test module: pytest collects nothing here.
 """
 
 from op_table.base import (
@@ -39,6 +40,7 @@ from op_table.importance_sampling import IMPORTANCE_SAMPLING
 from op_table.snis import SNIS
 from op_table.resample import RESAMPLE
 from op_table.ode_mlp import ODE_MLP
+from op_table.importance_log_weights import IMPORTANCE_LOG_WEIGHTS
 from op_table.vae_elbo import (
     VAE_ELBO,
     vae_assert_grads_close,
@@ -51,12 +53,13 @@ from op_table.vae_elbo import (
 __all__ = [
     "CASES", "SMALL_SIZES", "small_calls", "F32", "F64", "F32_ULP", "Accuracy", "Bad", "BwdBad", "OpCase",
     "PathCase", "all_subsets", "as_tuple", "max_abs", "subset_id", "IMPORTANCE_SAMPLING", "FLOW_EULER", "VAE_ELBO", "SNIS", "RESAMPLE",
-    "ODE_MLP",
+    "ODE_MLP", "IMPORTANCE_LOG_WEIGHTS",
     "vae_assert_grads_close", "vae_clear_of_relu_kinks", "vae_gradcheck_inputs", "vae_preactivations",
     "vae_reference",
 ]
 
-CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RESAMPLE, ODE_MLP)}
+CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RESAMPLE, ODE_MLP,
+                             IMPORTANCE_LOG_WEIGHTS)}
 
 # Small sizes for tests of the Python layer (transforms, forward AD) that
 # run each op a few times per test.
@@ -64,7 +67,8 @@ CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RE
 # float16 in any case); H = 9 differs from the 8
 # midpoint evaluations, or dynamic shapes would tie time_bias' two sizes.
 SMALL_SIZES = {"importance_sampling": (37, 5, 3), "flow_euler": (3, 4, 9, 3), "vae_elbo": (4, 6, 5, 3), "snis": (3, 37, 4),
-               "resample": (3, 37, 5, "stratified"), "ode_mlp": (3, 2, 9, 4, 1, 0)}
+               "resample": (3, 37, 5, "stratified"), "ode_mlp": (3, 2, 9, 4, 1, 0),
+               "importance_log_weights": (2, 37, 5, 3, 2)}
 
 
 def small_calls():

@@ -9,6 +9,8 @@ autograd registration.  The kernels are registered from C++
 batched, mixture-proposal and evidence calls.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -44,7 +46,8 @@ def importance_log_weights(
     ``mix_mus [..., K, D]``, ``mix_stds [..., K, D]``; proposal
     ``q_weights [..., Kq]``, ``q_mus [..., Kq, D]``, ``q_stds [..., Kq, D]``
     (a Gaussian proposal: ``Kq = 1``, weight 1).  The leading dimensions are
-    independent problems and broadcast against each other; ``N, K, Kq >= 1``.
+    independent problems and must equal samples' (:func:`fused_ops.importance_sampling`
+    broadcasts); ``N, K, Kq >= 1``.
     All float32 or all float64 on one device (bfloat16/float16 and autocast:
     as :func:`fused_ops.importance_sampling`).
 
@@ -54,10 +57,9 @@ def importance_log_weights(
         log_weights[i] = log_mix(x[i]; mix_weights, mix_mus, mix_stds) - log_mix(x[i]; q_weights, q_mus, q_stds)
 
     Returns ``log_weights [..., N]`` (``...``: the broadcast batch shape).
-    The weights need not sum to 1 (``log w`` is used as given).  Broadcast
-    arguments are materialised at the batch shape before the kernel (an
-    ``expand`` then a contiguous copy: ``B * K * D`` elements per parameter,
-    ``B * N * D`` for samples shared by all problems).
+    The weights need not sum to 1 (``log w`` is used as given).  The batch
+    dimensions are flattened into one (a view of contiguous arguments);
+    expanded (stride-0) arguments are copied by the op.
 
     Numerics: CPU in double, rounded once; CUDA in the inputs' dtype (two
     interleaved partial sums per squared distance, an online log-sum-exp
@@ -77,18 +79,20 @@ def importance_log_weights(
     return _dtypes.from_compute_dtype(lw.reshape(*batch, lw.shape[-1]), out_dtype)
 
 
-def flatten_problems(args):
+def flatten_problems(args, broadcast=False):
     """The seven arguments of :func:`importance_log_weights` with leading
-    dimensions checked, broadcast and flattened to one batch dimension ``B``:
+    dimensions checked and flattened to one batch dimension ``B``:
     ``(args [B, ...], batch shape)``.  Each argument's own dimensions are
-    checked first, naming it, with its trailing dimensions counted from the end."""
+    checked first, naming it, counted from the end.  Leading dimensions must
+    equal samples' (a view, no copy, for contiguous arguments), or with
+    ``broadcast`` broadcast against each other (then expanded and copied)."""
     tails = []
     for t, name in zip(args, _ARG_NAMES):
         rank = _TAILS[name].count(",") + 1
+        what = f"{name} must be a {rank}-D tensor {_TAILS[name]} or batched [..., {_TAILS[name][1:]}"
         if t is None:
-            raise RuntimeError(f"{name} must be a tensor {_TAILS[name]} or batched [..., {_TAILS[name][1:]}, got None")
-        check(t.dim() >= rank, name, " must be a tensor ", _TAILS[name], " or batched [..., ", _TAILS[name][1:],
-              ", got shape ", shape_str(t))
+            raise RuntimeError(f"{what}, got None")
+        check(t.dim() >= rank, what, ", got shape ", shape_str(t))
         tails.append(rank)
     d = args[0].shape[-1]
     k, kq = args[1].shape[-1], args[4].shape[-1]
@@ -98,17 +102,32 @@ def flatten_problems(args):
                                     (args[6], "q_stds", kq, "Kq, the number of proposal components in q_weights")):
         check_size(t, name, -2, size, dim_name)
         check_size(t, name, -1, d, "D, the sample dimension of samples")
-    batch = ()
-    for t, name, rank in zip(args, _ARG_NAMES, tails):
-        try:
-            batch = torch.broadcast_shapes(batch, t.shape[:t.dim() - rank])
-        except RuntimeError:
-            raise RuntimeError(
-                f"{name}'s batch dimensions {list(t.shape[:t.dim() - rank])} do not broadcast with those of the "
-                f"arguments before it ({list(batch)}): leading dimensions are independent problems") from None
-    flat = tuple(t.expand(*batch, *t.shape[t.dim() - rank:]).reshape(-1, *t.shape[t.dim() - rank:])
-                 for t, rank in zip(args, tails))
+    leads = [tuple(t.shape[:t.dim() - rank]) for t, rank in zip(args, tails)]
+    if broadcast:
+        batch = ()
+        for i, (lead, name) in enumerate(zip(leads, _ARG_NAMES)):
+            try:
+                batch = torch.broadcast_shapes(batch, lead)
+            except RuntimeError:
+                other = next(j for j in range(i) if not _broadcastable(leads[j], lead))
+                raise RuntimeError(
+                    f"{name}'s batch dimensions {list(lead)} do not broadcast with {_ARG_NAMES[other]}'s "
+                    f"{list(leads[other])}: leading dimensions are independent problems") from None
+        args = [t.expand(*batch, *t.shape[t.dim() - rank:]) for t, rank in zip(args, tails)]
+    else:
+        batch = leads[0]
+        for t, name, lead, rank in zip(args[1:], _ARG_NAMES[1:], leads[1:], tails[1:]):
+            check(len(lead) == len(batch), name, " must be a ", len(batch) + rank, "-D tensor [..., ",
+                  _TAILS[name][1:], " (the batch dimensions of samples, then its own), got shape ", shape_str(t))
+            for i, size in enumerate(batch):
+                check_size(t, name, i, size, "a batch dimension of samples")
+    b = math.prod(batch)
+    flat = tuple(t.reshape(b, *t.shape[t.dim() - rank:]) for t, rank in zip(args, tails))
     return flat, tuple(batch)
+
+
+def _broadcastable(a, b):
+    return all(x == y or x == 1 or y == 1 for x, y in zip(reversed(a), reversed(b)))
 
 
 def _check_args(samples, mix_weights, mix_mus, mix_stds, q_weights, q_mus, q_stds):
@@ -155,8 +174,9 @@ def _importance_log_weights_fake(samples, mix_weights, mix_mus, mix_stds, q_weig
 def importance_log_weights_backward(grad_log_weights, samples, mix_weights, mix_mus, mix_stds, q_weights, q_mus,
                                     q_stds):
     r"""Fused backward of :func:`importance_log_weights` (what autograd calls),
-    on the op's flat layout: ``grad_log_weights [B, N]`` and the seven inputs
-    ``[B, ...]``; returns the gradients of the seven inputs, contiguous.
+    on the op's flat layout: ``grad_log_weights [B, N]`` (``None``: zero) and
+    the seven inputs ``[B, ...]``; returns the gradients of the seven inputs,
+    contiguous.
 
     Math, with ``g = grad_log_weights``, ``z[i,j,d] = (x[i,d]-mu[j,d])/std[j,d]``
     over the target's components and the proposal's, the responsibilities
@@ -180,6 +200,8 @@ def importance_log_weights_backward(grad_log_weights, samples, mix_weights, mix_
 def _check_backward_args(grad_log_weights, samples, *params):
     """The rules of csrc/importance_log_weights.h's ImportanceLogWeightsBackwardCall."""
     b, n, _, _, _ = _check_args(samples, *params)
+    if grad_log_weights is None:
+        return
     check_rank(grad_log_weights, "grad_log_weights", 2, "[B, N]")
     check_size(grad_log_weights, "grad_log_weights", 0, b, "B, the number of problems in samples")
     check_size(grad_log_weights, "grad_log_weights", 1, n, "N, the number of samples per problem")
@@ -199,6 +221,7 @@ def _importance_log_weights_backward_fake(grad_log_weights, samples, mix_weights
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)  # the inputs only: the backward recomputes the densities
+    ctx.set_materialize_grads(False)  # the backward op takes None for no gradient
 
 
 def _backward(ctx, grad_log_weights):

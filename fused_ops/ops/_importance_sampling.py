@@ -126,11 +126,11 @@ def _batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights, re
     if q_weights is None:  # a Gaussian proposal: one component of weight 1
         for t, name in ((q_mu, "q_mu"), (q_std, "q_std")):
             if t is None:
-                raise RuntimeError(f"{name} must be a tensor [D] or batched [..., D], got None")
-            check(t.dim() >= 1, name, " must be a tensor [D] or batched [..., D], got shape ", shape_str(t))
+                raise RuntimeError(f"{name} must be a 1-D tensor [D] or batched [..., D], got None")
+            check(t.dim() >= 1, name, " must be a 1-D tensor [D] or batched [..., D], got shape ", shape_str(t))
         q_mu, q_std = q_mu.unsqueeze(-2), q_std.unsqueeze(-2)
         q_weights = q_mu.new_ones(()).expand(*q_mu.shape[:-1])
-    flat, batch = flatten_problems((samples, mix_weights, mix_mus, mix_stds, q_weights, q_mu, q_std))
+    flat, batch = flatten_problems((samples, mix_weights, mix_mus, mix_stds, q_weights, q_mu, q_std), broadcast=True)
     lw = _eager.call(_LW_OP, flat)
     lnw, ess, log_evidence, mean, _ = _eager.call(_SNIS_OP, (lw, flat[0]), False)
     n, d = flat[0].shape[-2], flat[0].shape[-1]

@@ -128,13 +128,18 @@ void backward_kernel(const ImportanceLogWeightsBackwardCall& c) {
   });
 }
 
-ImportanceLogWeightsGrads importance_log_weights_backward_cpu(const Tensor& grad_log_weights, const Tensor& samples,
+ImportanceLogWeightsGrads importance_log_weights_backward_cpu(const std::optional<Tensor>& grad_log_weights,
+    const Tensor& samples,
                                                               const Tensor& mix_weights, const Tensor& mix_mus,
                                                               const Tensor& mix_stds, const Tensor& q_weights,
                                                               const Tensor& q_mus, const Tensor& q_stds) {
   ImportanceLogWeightsBackwardCall c(grad_log_weights, samples, mix_weights, mix_mus, mix_stds, q_weights, q_mus,
                                      q_stds);
   if (c.B == 0) return c.result();
+  if (!c.has_grad) {
+    c.zero_all();
+    return c.result();
+  }
   dispatch_float(c.x.scalar_type(), [&](auto zero) { backward_kernel<decltype(zero)>(c); });
   return c.result();
 }
