@@ -79,46 +79,47 @@ def importance_log_weights(
     return _dtypes.from_compute_dtype(lw.reshape(*batch, lw.shape[-1]), out_dtype)
 
 
-def flatten_problems(args, broadcast=False):
+def flatten_problems(args, broadcast=False, names=_ARG_NAMES):
     """The seven arguments of :func:`importance_log_weights` with leading
     dimensions checked and flattened to one batch dimension ``B``:
     ``(args [B, ...], batch shape)``.  Each argument's own dimensions are
     checked first, naming it, counted from the end.  Leading dimensions must
     equal samples' (a view, no copy, for contiguous arguments), or with
-    ``broadcast`` broadcast against each other (then expanded and copied)."""
-    tails = []
-    for t, name in zip(args, _ARG_NAMES):
-        rank = _TAILS[name].count(",") + 1
-        what = f"{name} must be a {rank}-D tensor {_TAILS[name]} or batched [..., {_TAILS[name][1:]}"
+    ``broadcast`` broadcast against each other (then expanded and copied).
+    ``names``: the arguments' names in the caller's signature (errors name them)."""
+    tails, layouts = [], dict(zip(names, _TAILS.values()))
+    for t, name in zip(args, names):
+        rank = layouts[name].count(",") + 1
+        what = f"{name} must be a {rank}-D tensor {layouts[name]} or batched [..., {layouts[name][1:]}"
         if t is None:
             raise RuntimeError(f"{what}, got None")
         check(t.dim() >= rank, what, ", got shape ", shape_str(t))
         tails.append(rank)
     d = args[0].shape[-1]
     k, kq = args[1].shape[-1], args[4].shape[-1]
-    for t, name, size, dim_name in ((args[2], "mix_mus", k, "K, the number of mixture components in mix_weights"),
-                                    (args[3], "mix_stds", k, "K, the number of mixture components in mix_weights"),
-                                    (args[5], "q_mus", kq, "Kq, the number of proposal components in q_weights"),
-                                    (args[6], "q_stds", kq, "Kq, the number of proposal components in q_weights")):
+    kname = "K, the number of mixture components in mix_weights"
+    kqname = "Kq, the number of proposal components in q_weights"
+    for i, size, dim_name in ((2, k, kname), (3, k, kname), (5, kq, kqname), (6, kq, kqname)):
+        t, name = args[i], names[i]
         check_size(t, name, -2, size, dim_name)
         check_size(t, name, -1, d, "D, the sample dimension of samples")
     leads = [tuple(t.shape[:t.dim() - rank]) for t, rank in zip(args, tails)]
     if broadcast:
         batch = ()
-        for i, (lead, name) in enumerate(zip(leads, _ARG_NAMES)):
+        for i, (lead, name) in enumerate(zip(leads, names)):
             try:
                 batch = torch.broadcast_shapes(batch, lead)
             except RuntimeError:
                 other = next(j for j in range(i) if not _broadcastable(leads[j], lead))
                 raise RuntimeError(
-                    f"{name}'s batch dimensions {list(lead)} do not broadcast with {_ARG_NAMES[other]}'s "
+                    f"{name}'s batch dimensions {list(lead)} do not broadcast with {names[other]}'s "
                     f"{list(leads[other])}: leading dimensions are independent problems") from None
         args = [t.expand(*batch, *t.shape[t.dim() - rank:]) for t, rank in zip(args, tails)]
     else:
         batch = leads[0]
-        for t, name, lead, rank in zip(args[1:], _ARG_NAMES[1:], leads[1:], tails[1:]):
+        for t, name, lead, rank in zip(args[1:], names[1:], leads[1:], tails[1:]):
             check(len(lead) == len(batch), name, " must be a ", len(batch) + rank, "-D tensor [..., ",
-                  _TAILS[name][1:], " (the batch dimensions of samples, then its own), got shape ", shape_str(t))
+                  layouts[name][1:], " (the batch dimensions of samples, then its own), got shape ", shape_str(t))
             for i, size in enumerate(batch):
                 check_size(t, name, i, size, "a batch dimension of samples")
     b = math.prod(batch)

@@ -110,6 +110,8 @@ def importance_sampling(
 _ARG_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
 _BATCHED_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std", "q_weights")
 _UNBATCHED_RANKS = (2, 1, 2, 2, 1, 1)
+# importance_log_weights' arguments as this function names them.
+_LW_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_weights", "q_mu", "q_std")
 
 
 def _is_batched(*args):
@@ -129,8 +131,10 @@ def _batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights, re
                 raise RuntimeError(f"{name} must be a 1-D tensor [D] or batched [..., D], got None")
             check(t.dim() >= 1, name, " must be a 1-D tensor [D] or batched [..., D], got shape ", shape_str(t))
         q_mu, q_std = q_mu.unsqueeze(-2), q_std.unsqueeze(-2)
-        q_weights = q_mu.new_ones(()).expand(*q_mu.shape[:-1])
-    flat, batch = flatten_problems((samples, mix_weights, mix_mus, mix_stds, q_weights, q_mu, q_std), broadcast=True)
+        q_weights = q_mu.new_ones(1)  # no batch dimensions of its own: broadcast to every problem
+    flat, batch = flatten_problems((samples, mix_weights, mix_mus, mix_stds, q_weights, q_mu, q_std), broadcast=True,
+                                   names=_LW_NAMES)
+    check_same_float_dtype_and_device(list(zip(flat, _LW_NAMES)))  # named as the caller named them
     lw = _eager.call(_LW_OP, flat)
     lnw, ess, log_evidence, mean, _ = _eager.call(_SNIS_OP, (lw, flat[0]), False)
     n, d = flat[0].shape[-2], flat[0].shape[-1]
