@@ -21,8 +21,8 @@
 // adds the tile's rows in row order to the block's partial row [2 J D + J]
 // in a global workspace (each entry always updated by the same thread);
 // `finish`, one block per problem, adds the P partials in block order and
-// scales them.  Per-sample arithmetic in the inputs' dtype, coefficients
-// and every sum in double; no atomics: bitwise reproducible on one device
+// scales them.  (x - mu) / std in the inputs' dtype, the log densities,
+// coefficients and every sum in double; no atomics: bitwise reproducible on one device
 // (P depends on the SM count).  Workspace O(B P (2 J D + J)) doubles.
 
 #include <climits>
@@ -72,13 +72,13 @@ __global__ void __launch_bounds__(kThreads) tiled_rows(const Params<T> p, const 
       if (i < p.N) {
         const int64_t row = b * p.N + i;
         const T* xr = a.x + row * D;
-        LogSumExp<T> lp, lq;
+        LogSumExp<double> lp, lq;
         row_log_sums(p, s, xr, lp, lq);
-        const double gi = double(a.g[row]), Lp = double(lp.value()), Lq = double(lq.value());
+        const double gi = double(a.g[row]), Lp = lp.value(), Lq = lq.value();
         // exp(-inf - -inf) = NaN where every density of the row is zero, as
         // the reference's logsumexp backward gives.
         for (int j = 0; j < J; ++j) {
-          const double lc = double(component_log_density(p, s, xr, j));
+          const double lc = component_log_density(p, s, xr, j);
           c[j] = j < K ? gi * exp(lc - Lp) : -gi * exp(lc - Lq);
         }
         T* gxr = a.gx + row * D;

@@ -10,7 +10,7 @@
 //                     overflows (a subnormal std: (x - mu) * inf would be NaN
 //                     at the mean, where the reference's division gives 0);
 //   divide [B, J]     1 for such a component: its z divides by r;
-//   lnorm  [B, J]     log w_j - sum_d log std_jd, rounded to T once.
+//   lnorm  [B, J]     log w_j - sum_d log std_jd, in double.
 // Blocks work for one problem each, so a block stages its problem's mu, r,
 // lnorm and divide in shared memory when they fit (`Staged`), else reads
 // them from global memory (mu from the inputs, the rest from the workspace).
@@ -37,7 +37,7 @@ struct Params {
   const T *mix_weights, *mix_mus, *q_weights, *q_mus;  // inputs (weights: for the gradients)
   const T *mix_stds, *q_stds;
   T* r;        // [B, J, D] workspace
-  T* lnorm;    // [B, J]
+  double* lnorm;  // [B, J]
   int* divide; // [B, J]
   int64_t B, N;
   int D, K, Kq, J;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) prepare(const Params<T> p) {
   }
   if (lane == 0) {
     p.divide[comp] = overflow;
-    p.lnorm[comp] = T(log(double(p.weight_of(b, j))) - log_det);
+    p.lnorm[comp] = log(double(p.weight_of(b, j))) - log_det;
   }
 }
 
@@ -88,7 +88,7 @@ template <typename T>
 struct Staged {
   const T* mu;  // [J, D] staged, else nullptr: read through Params
   const T* r;
-  const T* lnorm;
+  const double* lnorm;
   const int* divide;
   int64_t b;
 
@@ -102,7 +102,7 @@ struct Staged {
 
 // Shared memory bytes that staging the parameters of one problem takes.
 inline size_t staged_bytes(int64_t J, int64_t D, size_t elem) {
-  return size_t(J * D * 2 + J) * elem + size_t(J) * sizeof(int) + 16;
+  return size_t(J) * sizeof(double) + size_t(J * D * 2) * elem + size_t(J) * sizeof(int) + 16;
 }
 
 // Stage problem b's parameters into `smem` (when `stage`), else point into
@@ -113,10 +113,10 @@ __device__ Staged<T> stage(const Params<T>& p, int64_t b, bool stage_it, unsigne
   if (!stage_it) {
     return {nullptr, p.r + b * JD, p.lnorm + b * p.J, p.divide + b * p.J, b};
   }
-  T* mu = reinterpret_cast<T*>(smem);
+  double* lnorm = reinterpret_cast<double*>(smem);
+  T* mu = reinterpret_cast<T*>(lnorm + p.J);
   T* r = mu + JD;
-  T* lnorm = r + JD;
-  int* divide = reinterpret_cast<int*>(lnorm + p.J);
+  int* divide = reinterpret_cast<int*>(r + JD);
   for (int64_t e = threadIdx.x; e < JD; e += blockDim.x) {
     const int j = int(e / p.D), d = int(e % p.D);
     mu[e] = p.mu_of(b, j)[d];
@@ -136,35 +136,37 @@ __device__ __forceinline__ T z_of(T x, T mu, T r, bool divide) {
   return divide ? (x - mu) / r : (x - mu) * r;
 }
 
-// lnorm_j - 0.5 sum_d z_d^2 for row x: two interleaved partial sums (half the
-// dependent-add chain; closer to torch.sum's pairwise order for long rows).
+// lnorm_j - 0.5 sum_d z_d^2 for row x, in double: z in the inputs' dtype,
+// its square accumulated in double in two interleaved partial sums (long
+// float32 rows would otherwise round far from a float64 run; the row's
+// bytes, not this arithmetic, bound the kernel).
 template <typename T>
-__device__ __forceinline__ T component_log_density(const Params<T>& p, const Staged<T>& s, const T* x, int j) {
+__device__ __forceinline__ double component_log_density(const Params<T>& p, const Staged<T>& s, const T* x, int j) {
   const T* mu = s.mu_of(p, j);
   const T* r = s.r_of(p, j);
   const bool divide = s.divide[j] != 0;
-  T a0 = 0, a1 = 0;
+  double a0 = 0, a1 = 0;
   int d = 0;
   for (; d + 2 <= p.D; d += 2) {
-    const T z0 = z_of(x[d], mu[d], r[d], divide), z1 = z_of(x[d + 1], mu[d + 1], r[d + 1], divide);
+    const double z0 = z_of(x[d], mu[d], r[d], divide), z1 = z_of(x[d + 1], mu[d + 1], r[d + 1], divide);
     a0 = fma(z0, z0, a0);
     a1 = fma(z1, z1, a1);
   }
   if (d < p.D) {
-    const T z0 = z_of(x[d], mu[d], r[d], divide);
+    const double z0 = z_of(x[d], mu[d], r[d], divide);
     a0 = fma(z0, z0, a0);
   }
-  return s.lnorm[j] - T(0.5) * (a0 + a1);
+  return s.lnorm[j] - 0.5 * (a0 + a1);
 }
 
-// The log-sum-exps of a row's target (j < K) and proposal (j >= K) densities.
+// The log-sum-exps (double) of a row's target (j < K) and proposal (j >= K) densities.
 template <typename T>
-__device__ __forceinline__ void row_log_sums(const Params<T>& p, const Staged<T>& s, const T* x, LogSumExp<T>& lp,
-                                             LogSumExp<T>& lq) {
-  lp = LogSumExp<T>::empty();
-  lq = LogSumExp<T>::empty();
+__device__ __forceinline__ void row_log_sums(const Params<T>& p, const Staged<T>& s, const T* x,
+                                             LogSumExp<double>& lp, LogSumExp<double>& lq) {
+  lp = LogSumExp<double>::empty();
+  lq = LogSumExp<double>::empty();
   for (int j = 0; j < p.J; ++j) {
-    const T lc = component_log_density(p, s, x, j);
+    const double lc = component_log_density(p, s, x, j);
     if (j < p.K) {
       lp.push(lc);
     } else {
@@ -192,7 +194,7 @@ inline Tensor workspace(const Tensor& like, int64_t n) {
 // Params over the inputs, with the prepared arrays carved from `ws` (its
 // first prepared_doubles(...) elements), and the prepare launch.
 inline int64_t prepared_doubles(int64_t B, int64_t J, int64_t D) {
-  return B * J * D + 2 * B * J + 2;  // r and lnorm hold at most a double each, divide an int
+  return B * J * D + 2 * B * J + 2;  // r: at most a double per element; lnorm: doubles; divide: ints
 }
 
 template <typename T>
@@ -207,7 +209,7 @@ Params<T> make_params(const ImportanceLogWeightsInputs& c, double* ws) {
   p.B = c.B, p.N = c.N, p.D = int(c.D), p.K = int(c.K), p.Kq = int(c.Kq), p.J = int(c.K + c.Kq);
   const int64_t BJ = c.B * p.J;
   p.r = reinterpret_cast<T*>(ws);
-  p.lnorm = reinterpret_cast<T*>(ws + BJ * c.D);
+  p.lnorm = ws + BJ * c.D;
   p.divide = reinterpret_cast<int*>(ws + BJ * c.D + BJ);
   return p;
 }

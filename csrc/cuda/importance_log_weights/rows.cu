@@ -16,8 +16,10 @@
 // thread of a warp: broadcasts from L1).  Each thread walks the J components of its row,
 // the row re-read from L1 per component (rows are D consecutive elements,
 // so a warp's first pass reads a contiguous 32 D-element span), keeping an
-// online log-sum-exp for the target and one for the proposal.  Numerics in
-// the inputs' dtype; no reductions across threads: bitwise reproducible.
+// online log-sum-exp for the target and one for the proposal.  Numerics:
+// (x - mu) / std in the inputs' dtype, squares, sums and log-sum-exps in
+// double, lw rounded once; no reductions across threads: bitwise
+// reproducible.
 
 #include "cuda/importance_log_weights/paths.cuh"
 
@@ -34,9 +36,9 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const Params<T> p, const
   const Staged<T> s = stage(p, b, staged, smem);
   if (i >= p.N) return;
   const int64_t row = b * p.N + i;
-  LogSumExp<T> lp, lq;
+  LogSumExp<double> lp, lq;
   row_log_sums(p, s, x + row * p.D, lp, lq);
-  lw[row] = lp.value() - lq.value();
+  lw[row] = T(lp.value() - lq.value());
 }
 
 template <typename T>
