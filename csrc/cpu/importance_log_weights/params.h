@@ -72,7 +72,7 @@ struct Params {
 // sum_{d < n} term(d) in four interleaved partial sums added pairwise: a
 // fixed order, and four independent chains for the vectoriser.
 template <typename F>
-inline double sum4(int64_t n, F term) {
+__attribute__((always_inline)) inline double sum4(int64_t n, F term) {
   double s[4] = {0, 0, 0, 0};
   int64_t d = 0;
   for (; d + 4 <= n; d += 4) {
