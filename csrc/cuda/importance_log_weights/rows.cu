@@ -4,8 +4,8 @@
 // What: lw[b, i] = logsumexp_{j < K} lc_ij - logsumexp_{j >= K} lc_ij, the
 // component log densities lc_ij of paths.cuh, for all B problems.
 // When: "staged" while one problem's prepared parameters fit 48 KB of shared
-// memory (2 J D + J elements and J flags: J D <= ~6000 in float32, ~3000 in
-// float64); "global" for every input.  The two are one kernel: "global"
+// memory (2 J D elements, J doubles and J flags: J D <= ~6000 in float32,
+// ~3000 in float64); "global" for every input.  The two are one kernel: "global"
 // reads the parameters from global memory instead of staging them.
 // Design.  Two launches on the current stream: `prepare` (common.cuh: 1/std
 // and the log-normalisers of every component, one warp each), then a 1-D
