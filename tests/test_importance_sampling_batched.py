@@ -192,17 +192,28 @@ def test_gradients_match_reference_in_float64(device):
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
-def test_compile_fullgraph(device):
-    size = (4, 300, 5, 3, 2)
-    x, mw, mm, ms, qw, qm, qs = make_ilw_inputs(size, device=device)
-
-    def fn(x, mw, mm, ms, qm, qs, qw):
-        return fused_ops.importance_sampling(x, mw, mm, ms, qm, qs, q_weights=qw, return_evidence=True)
+def test_compile_fullgraph_dynamic_no_recompile(device):
+    # The batched route (broadcast Gaussian proposal, and a mixture proposal
+    # with the evidence) under torch.compile(fullgraph=True, dynamic=True):
+    # the eager results, and one graph each for three sizes.
+    import torch._dynamo.testing
 
     torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True)
-    for g, e in zip(compiled(x, mw, mm, ms, qm, qs, qw), fn(x, mw, mm, ms, qm, qs, qw)):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    def mixture(x, mw, mm, ms, qm, qs, qw):
+        return fused_ops.importance_sampling(x, mw, mm, ms, qm, qs, q_weights=qw, return_evidence=True)
+
+    def gaussian(x, mw, mm, ms, qm, qs):  # one target for every problem, a proposal per problem
+        return fused_ops.importance_sampling(x, mw[0], mm[0], ms[0], qm[:, 0], qs[:, 0])
+
+    fns = [(f, torch.compile(f, backend=counter, dynamic=True, fullgraph=True)) for f in (mixture, gaussian)]
+    for by in (0, 1, 3):
+        x, mw, mm, ms, qw, qm, qs = make_ilw_inputs((3 + by, 30 + by, 4 + by, 2 + by, 2 + by), device=device)
+        for (eager, compiled), args in zip(fns, ((x, mw, mm, ms, qm, qs, qw), (x, mw, mm, ms, qm, qs))):
+            for g, e in zip(compiled(*args), eager(*args)):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 2, f"{counter.frame_count} compiles of 2 functions at 3 sizes"
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)

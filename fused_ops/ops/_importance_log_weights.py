@@ -87,22 +87,9 @@ def flatten_problems(args, broadcast=False, names=_ARG_NAMES):
     equal samples' (a view, no copy, for contiguous arguments), or with
     ``broadcast`` broadcast against each other (then expanded and copied).
     ``names``: the arguments' names in the caller's signature (errors name them)."""
-    tails, layouts = [], dict(zip(names, _TAILS.values()))
-    for t, name in zip(args, names):
-        rank = layouts[name].count(",") + 1
-        what = f"{name} must be a {rank}-D tensor {layouts[name]} or batched [..., {layouts[name][1:]}"
-        if t is None:
-            raise RuntimeError(f"{what}, got None")
-        check(t.dim() >= rank, what, ", got shape ", shape_str(t))
-        tails.append(rank)
-    d = args[0].shape[-1]
-    k, kq = args[1].shape[-1], args[4].shape[-1]
-    kname = "K, the number of mixture components in mix_weights"
-    kqname = "Kq, the number of proposal components in q_weights"
-    for i, size, dim_name in ((2, k, kname), (3, k, kname), (5, kq, kqname), (6, kq, kqname)):
-        t, name = args[i], names[i]
-        check_size(t, name, -2, size, dim_name)
-        check_size(t, name, -1, d, "D, the sample dimension of samples")
+    layouts = dict(zip(names, _TAILS.values()))
+    tails = [layouts[name].count(",") + 1 for name in names]
+    _check_own_dims(args, names, layouts, tails)
     leads = [tuple(t.shape[:t.dim() - rank]) for t, rank in zip(args, tails)]
     if broadcast:
         batch = ()
@@ -118,13 +105,46 @@ def flatten_problems(args, broadcast=False, names=_ARG_NAMES):
     else:
         batch = leads[0]
         for t, name, lead, rank in zip(args[1:], names[1:], leads[1:], tails[1:]):
-            check(len(lead) == len(batch), name, " must be a ", len(batch) + rank, "-D tensor [..., ",
-                  layouts[name][1:], " (the batch dimensions of samples, then its own), got shape ", shape_str(t))
+            _need(len(lead) == len(batch), lambda: (
+                f"{name} must be a {len(batch) + rank}-D tensor [..., {layouts[name][1:]} (the batch dimensions "
+                f"of samples, then its own), got shape {shape_str(t)}"))
             for i, size in enumerate(batch):
-                check_size(t, name, i, size, "a batch dimension of samples")
+                _need_size(t, name, i, size, "a batch dimension of samples")
     b = math.prod(batch)
     flat = tuple(t.reshape(b, *t.shape[t.dim() - rank:]) for t, rank in zip(args, tails))
     return flat, tuple(batch)
+
+
+def _check_own_dims(args, names, layouts, tails):
+    """Each argument's rank and its own (trailing) sizes, naming it."""
+    for t, name, rank in zip(args, names, tails):
+        what = f"{name} must be a {rank}-D tensor {layouts[name]} or batched [..., {layouts[name][1:]}"
+        if t is None:
+            raise RuntimeError(f"{what}, got None")
+        _need(t.dim() >= rank, lambda: f"{what}, got shape {shape_str(t)}")
+    d = args[0].shape[-1]
+    k, kq = args[1].shape[-1], args[4].shape[-1]
+    kname = "K, the number of mixture components in mix_weights"
+    kqname = "Kq, the number of proposal components in q_weights"
+    for i, size, dim_name in ((2, k, kname), (3, k, kname), (5, kq, kqname), (6, kq, kqname)):
+        _need_size(args[i], names[i], -2, size, dim_name)
+        _need_size(args[i], names[i], -1, d, "D, the sample dimension of samples")
+
+
+def _need(cond, message):
+    """_checks.check with the message built only on failure: the checks above
+    run in the traced function under torch.compile, where formatting a
+    symbolic size cannot be traced (a symbolic condition becomes a guard)."""
+    if isinstance(cond, bool):
+        if not cond:
+            raise RuntimeError(message())
+        return
+    torch._check(cond)
+
+
+def _need_size(t, name, dim, expected, what):
+    _need(t.shape[dim] == expected, lambda: (
+        f"{name}.shape[{dim}] must be {expected} ({what}), got shape {shape_str(t)}"))
 
 
 def _broadcastable(a, b):

@@ -114,10 +114,17 @@ _UNBATCHED_RANKS = (2, 1, 2, 2, 1, 1)
 _LW_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_weights", "q_mu", "q_std")
 
 
-def _is_batched(*args):
+def _is_batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
     """Whether any argument has dimensions beyond its unbatched rank (a
-    missing or lower-rank one is left to the unbatched op, which names it)."""
-    return any(isinstance(t, Tensor) and t.dim() > r for t, r in zip(args, _UNBATCHED_RANKS))
+    missing or lower-rank one is left to the unbatched op, which names it).
+    Spelled out: this runs on every call of the plain op, whose host time is
+    a target."""
+    try:
+        return (samples.dim() > 2 or mix_weights.dim() > 1 or mix_mus.dim() > 2 or mix_stds.dim() > 2
+                or q_mu.dim() > 1 or q_std.dim() > 1)
+    except AttributeError:  # None (or not a tensor) before any batched argument
+        return any(isinstance(t, Tensor) and t.dim() > r
+                   for t, r in zip((samples, mix_weights, mix_mus, mix_stds, q_mu, q_std), _UNBATCHED_RANKS))
 
 
 def _batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights, return_evidence):
@@ -129,7 +136,8 @@ def _batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights, re
         for t, name in ((q_mu, "q_mu"), (q_std, "q_std")):
             if t is None:
                 raise RuntimeError(f"{name} must be a 1-D tensor [D] or batched [..., D], got None")
-            check(t.dim() >= 1, name, " must be a 1-D tensor [D] or batched [..., D], got shape ", shape_str(t))
+            if t.dim() < 1:
+                raise RuntimeError(f"{name} must be a 1-D tensor [D] or batched [..., D], got shape {shape_str(t)}")
         q_mu, q_std = q_mu.unsqueeze(-2), q_std.unsqueeze(-2)
         q_weights = q_mu.new_ones(1)  # no batch dimensions of its own: broadcast to every problem
     flat, batch = flatten_problems((samples, mix_weights, mix_mus, mix_stds, q_weights, q_mu, q_std), broadcast=True,
