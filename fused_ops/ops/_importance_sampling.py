@@ -94,8 +94,8 @@ def importance_sampling(
     Such calls run :func:`fused_ops.importance_log_weights` (the log weights
     of every problem in one kernel) and then :func:`fused_ops.snis` (its
     normalisation, moments and evidence, all sums in double); the plain 2-D
-    call with a Gaussian proposal and no evidence runs the fused op above,
-    unchanged.  Non-finite log weights then follow ``snis``'s rules, which
+    call with a Gaussian proposal and no evidence runs the fused op above.
+    Non-finite log weights then follow ``snis``'s rules, which
     agree with the above (NaN outputs where there is no normaliser) and
     give ``log_evidence = -inf`` where every weight is zero; a problem
     affects no other.  Broadcast arguments are materialised at the batch
