@@ -21,8 +21,7 @@
 // adds the tile's rows in row order to the block's partial row [2 J D + J]
 // in a global workspace (each entry always updated by the same thread);
 // `finish`, one block per problem, adds the P partials in block order and
-// scales them.  (x - mu) / std in the inputs' dtype, the log densities,
-// coefficients and every sum in double; no atomics: bitwise reproducible on one device
+// scales them.  All arithmetic in double, as on the CPU; no atomics: bitwise reproducible on one device
 // (P depends on the SM count).  Workspace O(B P (2 J D + J)) doubles.
 
 #include <climits>
@@ -47,10 +46,7 @@ struct Grads {
   size_t coef_offset;  // byte offset of the coefficient tile in shared memory
 };
 
-template <typename T>
-__device__ __forceinline__ double over_std(double v, T r, bool divide) {
-  return divide ? v / double(r) : v * double(r);
-}
+__device__ __forceinline__ double over_std(double v, double r, bool divide) { return divide ? v / r : v * r; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) tiled_rows(const Params<T> p, const Grads<T> a) {
@@ -86,9 +82,9 @@ __global__ void __launch_bounds__(kThreads) tiled_rows(const Params<T> p, const 
           double acc = 0;
           for (int j = 0; j < J; ++j) {
             const bool divide = s.divide[j] != 0;
-            const T r = s.r_of(p, j)[d];
-            const T z = z_of(xr[d], s.mu_of(p, j)[d], r, divide);
-            acc -= over_std(c[j] * double(z), r, divide);
+            const double r = s.r_of(p, j)[d];
+            const double z = z_of(xr[d], s.mu_of(p, j)[d], r, divide);
+            acc -= over_std(c[j] * z, r, divide);
           }
           gxr[d] = T(acc);
         }
@@ -101,11 +97,12 @@ __global__ void __launch_bounds__(kThreads) tiled_rows(const Params<T> p, const 
     for (int64_t e = threadIdx.x; e < JD + J; e += blockDim.x) {
       if (e < JD) {
         const int j = int(e / D), d = int(e % D);
-        const T mu = s.mu_of(p, j)[d], r = s.r_of(p, j)[d];
+        const T mu = s.mu_of(p, j)[d];
+        const double r = s.r_of(p, j)[d];
         const bool divide = s.divide[j] != 0;
         double s1 = 0, s2 = 0;
         for (int q = 0; q < rows; ++q) {
-          const double z = double(z_of(a.x[(b * p.N + i0 + q) * D + d], mu, r, divide));
+          const double z = z_of(a.x[(b * p.N + i0 + q) * D + d], mu, r, divide);
           const double cq = coef[int64_t(q) * J + j];
           s1 += cq * z;
           s2 += cq * (z * z - 1);
@@ -137,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) finish(const Params<T> p, const Grad
         s2 += part[q * stride + JD + e];
       }
       const int j = int(e / D), d = int(e % D);
-      const T r = p.r[b * JD + e];
+      const double r = p.r[b * JD + e];
       const bool divide = p.divide[b * J + j] != 0;
       T* gm = j < K ? a.gmm + (b * K + j) * D : a.gqm + (b * Kq + (j - K)) * D;
       T* gs = j < K ? a.gms + (b * K + j) * D : a.gqs + (b * Kq + (j - K)) * D;

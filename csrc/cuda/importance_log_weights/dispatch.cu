@@ -25,7 +25,7 @@ using Call = ImportanceLogWeightsCall;
 using BackwardCall = ImportanceLogWeightsBackwardCall;
 
 const dispatch::PathTable<Call, 2> kPaths("importance_log_weights", "cuda", {{
-    {"staged", "one problem's prepared parameters fit 48 KB of shared memory (J D <= ~6000 float32)",
+    {"staged", "one problem's prepared parameters fit 48 KB of shared memory (J D <= ~4000 float32)",
      "one thread per sample row, the problem's parameters staged in shared memory", ilw::staged_applies,
      ilw::launch_staged},
     {"global", "any input", "one thread per sample row, the parameters read from global memory (L1)",

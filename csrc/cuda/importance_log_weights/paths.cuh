@@ -6,9 +6,10 @@
 // Components j = 0 .. J-1 of problem b, J = K + Kq: j < K the target's,
 // j >= K the proposal's.  `prepare` (one warp per (b, j), lanes strided over
 // d, the sum of log std in double in a fixed butterfly order) writes
-//   r      [B, J, D]  1/std, or std itself for a component where some 1/std
-//                     overflows (a subnormal std: (x - mu) * inf would be NaN
-//                     at the mean, where the reference's division gives 0);
+//   r      [B, J, D]  1/std in double, or std itself for a component where
+//                     some 1/std overflows (a subnormal float64 std: (x - mu)
+//                     * inf would be NaN at the mean, where the reference's
+//                     division gives 0);
 //   divide [B, J]     1 for such a component: its z divides by r;
 //   lnorm  [B, J]     log w_j - sum_d log std_jd, in double.
 // Blocks work for one problem each, so a block stages its problem's mu, r,
@@ -36,7 +37,7 @@ template <typename T>
 struct Params {
   const T *mix_weights, *mix_mus, *q_weights, *q_mus;  // inputs (weights: for the gradients)
   const T *mix_stds, *q_stds;
-  T* r;        // [B, J, D] workspace
+  double* r;      // [B, J, D] workspace
   double* lnorm;  // [B, J]
   int* divide; // [B, J]
   int64_t B, N;
@@ -62,11 +63,11 @@ __global__ void __launch_bounds__(kThreads) prepare(const Params<T> p) {
   const int64_t b = comp / p.J;
   const int j = int(comp % p.J);
   const T* s = p.std_of(b, j);
-  T* r = p.r + comp * p.D;
+  double* r = p.r + comp * p.D;
   double log_det = 0;
   int overflow = 0;
   for (int d = lane; d < p.D; d += cuda::kWarpSize) {
-    const T inv = T(1) / s[d];
+    const double inv = 1.0 / double(s[d]);
     r[d] = inv;
     overflow |= isinf(inv) && s[d] != T(0);
     log_det += log(double(s[d]));
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) prepare(const Params<T> p) {
   overflow = __any_sync(0xffffffffu, overflow);
   if (overflow) {
     __syncwarp();
-    for (int d = lane; d < p.D; d += cuda::kWarpSize) r[d] = s[d];
+    for (int d = lane; d < p.D; d += cuda::kWarpSize) r[d] = double(s[d]);
   }
   if (lane == 0) {
     p.divide[comp] = overflow;
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) prepare(const Params<T> p) {
 template <typename T>
 struct Staged {
   const T* mu;  // [J, D] staged, else nullptr: read through Params
-  const T* r;
+  const double* r;
   const double* lnorm;
   const int* divide;
   int64_t b;
@@ -95,14 +96,14 @@ struct Staged {
   __device__ __forceinline__ const T* mu_of(const Params<T>& p, int j) const {
     return mu ? mu + j * p.D : p.mu_of(b, j);
   }
-  __device__ __forceinline__ const T* r_of(const Params<T>& p, int j) const {
+  __device__ __forceinline__ const double* r_of(const Params<T>& p, int j) const {
     return r + int64_t(j) * p.D;
   }
 };
 
 // Shared memory bytes that staging the parameters of one problem takes.
 inline size_t staged_bytes(int64_t J, int64_t D, size_t elem) {
-  return size_t(J) * sizeof(double) + size_t(J * D * 2) * elem + size_t(J) * sizeof(int) + 16;
+  return size_t(J + J * D) * sizeof(double) + size_t(J * D) * elem + size_t(J) * sizeof(int) + 16;
 }
 
 // Stage problem b's parameters into `smem` (when `stage`), else point into
@@ -114,9 +115,9 @@ __device__ Staged<T> stage(const Params<T>& p, int64_t b, bool stage_it, unsigne
     return {nullptr, p.r + b * JD, p.lnorm + b * p.J, p.divide + b * p.J, b};
   }
   double* lnorm = reinterpret_cast<double*>(smem);
-  T* mu = reinterpret_cast<T*>(lnorm + p.J);
-  T* r = mu + JD;
-  int* divide = reinterpret_cast<int*>(r + JD);
+  double* r = lnorm + p.J;
+  T* mu = reinterpret_cast<T*>(r + JD);
+  int* divide = reinterpret_cast<int*>(mu + JD);
   for (int64_t e = threadIdx.x; e < JD; e += blockDim.x) {
     const int j = int(e / p.D), d = int(e % p.D);
     mu[e] = p.mu_of(b, j)[d];
@@ -130,20 +131,21 @@ __device__ Staged<T> stage(const Params<T>& p, int64_t b, bool stage_it, unsigne
   return {mu, r, lnorm, divide, b};
 }
 
-// (x - mu) / std of one element: a multiply by 1/std, or a division.
+// (x - mu) / std of one element in double: a multiply by 1/std, or a division.
 template <typename T>
-__device__ __forceinline__ T z_of(T x, T mu, T r, bool divide) {
-  return divide ? (x - mu) / r : (x - mu) * r;
+__device__ __forceinline__ double z_of(T x, T mu, double r, bool divide) {
+  const double diff = double(x) - double(mu);
+  return divide ? diff / r : diff * r;
 }
 
-// lnorm_j - 0.5 sum_d z_d^2 for row x, in double: z in the inputs' dtype,
-// its square accumulated in double in two interleaved partial sums (long
-// float32 rows would otherwise round far from a float64 run; the row's
-// bytes, not this arithmetic, bound the kernel).
+// lnorm_j - 0.5 sum_d z_d^2 for row x, all in double (as the CPU kernel
+// computes): z, and its square accumulated in two interleaved partial sums
+// (long float32 rows would otherwise round far from a float64 run; the
+// row's bytes, not this arithmetic, are meant to bound the kernel).
 template <typename T>
 __device__ __forceinline__ double component_log_density(const Params<T>& p, const Staged<T>& s, const T* x, int j) {
   const T* mu = s.mu_of(p, j);
-  const T* r = s.r_of(p, j);
+  const double* r = s.r_of(p, j);
   const bool divide = s.divide[j] != 0;
   double a0 = 0, a1 = 0;
   int d = 0;
@@ -194,7 +196,7 @@ inline Tensor workspace(const Tensor& like, int64_t n) {
 // Params over the inputs, with the prepared arrays carved from `ws` (its
 // first prepared_doubles(...) elements), and the prepare launch.
 inline int64_t prepared_doubles(int64_t B, int64_t J, int64_t D) {
-  return B * J * D + 2 * B * J + 2;  // r: at most a double per element; lnorm: doubles; divide: ints
+  return B * J * D + 2 * B * J + 2;  // r and lnorm: doubles; divide: ints
 }
 
 template <typename T>
@@ -208,7 +210,7 @@ Params<T> make_params(const ImportanceLogWeightsInputs& c, double* ws) {
   p.q_stds = cdata<T>(c.q_stds);
   p.B = c.B, p.N = c.N, p.D = int(c.D), p.K = int(c.K), p.Kq = int(c.Kq), p.J = int(c.K + c.Kq);
   const int64_t BJ = c.B * p.J;
-  p.r = reinterpret_cast<T*>(ws);
+  p.r = ws;
   p.lnorm = ws + BJ * c.D;
   p.divide = reinterpret_cast<int*>(ws + BJ * c.D + BJ);
   return p;

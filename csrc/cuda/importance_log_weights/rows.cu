@@ -4,8 +4,9 @@
 // What: lw[b, i] = logsumexp_{j < K} lc_ij - logsumexp_{j >= K} lc_ij, the
 // component log densities lc_ij of paths.cuh, for all B problems.
 // When: "staged" while one problem's prepared parameters fit 48 KB of shared
-// memory (2 J D elements, J doubles and J flags: J D <= ~6000 in float32,
-// ~3000 in float64); "global" for every input.  The two are one kernel: "global"
+// memory (J D means in the inputs' dtype, J D reciprocal stds and J
+// log-normalisers in double, J flags: J D <= ~4000 in float32, ~3000 in
+// float64); "global" for every input.  The two are one kernel: "global"
 // reads the parameters from global memory instead of staging them.
 // Design.  Two launches on the current stream: `prepare` (common.cuh: 1/std
 // and the log-normalisers of every component, one warp each), then a 1-D
@@ -17,9 +18,9 @@
 // the row re-read from L1 per component (rows are D consecutive elements,
 // so a warp's first pass reads a contiguous 32 D-element span), keeping an
 // online log-sum-exp for the target and one for the proposal.  Numerics:
-// (x - mu) / std in the inputs' dtype, squares, sums and log-sum-exps in
-// double, lw rounded once; no reductions across threads: bitwise
-// reproducible.
+// all in double (z = (x - mu) * (1/std in double), squares, sums,
+// log-sum-exps), lw rounded once, as on the CPU; no reductions across
+// threads: bitwise reproducible.
 
 #include "cuda/importance_log_weights/paths.cuh"
 
