@@ -363,6 +363,85 @@ def _snis_vmap(reference: torch.nn.Module) -> Callable:
     from fused_ops.reference import snis
 
     return torch.vmap(lambda lw, x: snis(lw, x, reference.moments))
+# --- importance sampling, batched, mixture proposal, evidence ------------------
+
+
+class _ISBatched(torch.nn.Module):
+    """B independent problems: a target mixture and a proposal mixture per
+    problem (buffers); ``forward(samples [B, N, D])`` is the plain batched
+    torch program (fused_ops.reference.importance_sampling_batched)."""
+
+    def __init__(self, p: Params):
+        super().__init__()
+        b, d, k, kq = p["B"], p["D"], p["K"], p["Kq"]
+        self.register_buffer("mix_weights", torch.softmax(torch.randn(b, k), -1))
+        self.register_buffer("mix_mus", torch.randn(b, k, d) * 2.0)
+        self.register_buffer("mix_stds", torch.rand(b, k, d) + 0.5)
+        self.register_buffer("q_weights", torch.softmax(torch.randn(b, kq), -1))
+        self.register_buffer("q_mus", torch.randn(b, kq, d) * 0.5)
+        self.register_buffer("q_stds", torch.rand(b, kq, d) + 2.5)
+
+    def params(self) -> Tuple[torch.Tensor, ...]:
+        return (self.mix_weights, self.mix_mus, self.mix_stds, self.q_weights, self.q_mus, self.q_stds)
+
+    def forward(self, samples: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        from fused_ops.reference import importance_sampling_batched
+
+        return importance_sampling_batched(samples, *self.params())
+
+
+def _isb_inputs(p: Params) -> Inputs:
+    return (torch.randn(p["B"], p["N"], p["D"]) * 3.0,)
+
+
+def _isb_fused(reference: torch.nn.Module) -> Callable:
+    import fused_ops
+
+    mw, mm, ms, qw, qm, qs = reference.params()
+    return lambda x: fused_ops.importance_sampling(x, mw, mm, ms, qm, qs, q_weights=qw, return_evidence=True)
+
+
+def _isb_loop(reference: torch.nn.Module) -> Callable:
+    import fused_ops
+
+    mw, mm, ms, qw, qm, qs = reference.params()
+
+    def loop(x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        outs = [fused_ops.importance_sampling(x[i], mw[i], mm[i], ms[i], qm[i], qs[i], q_weights=qw[i],
+                                              return_evidence=True) for i in range(x.shape[0])]
+        return tuple(torch.stack(o) for o in zip(*outs))
+
+    return loop
+
+
+def _isb_vmap(reference: torch.nn.Module) -> Callable:
+    """torch.vmap over the problems of the per-problem program a user writes
+    with torch.distributions (MixtureSameFamily target and proposal)."""
+    import math
+
+    from torch import distributions as dist
+
+    def one(x, mw, mm, ms, qw, qm, qs):
+        def mixture(w, mu, std):
+            comp = dist.Independent(dist.Normal(mu, std, validate_args=False), 1, validate_args=False)
+            return dist.MixtureSameFamily(dist.Categorical(probs=w, validate_args=False), comp, validate_args=False)
+
+        lw = mixture(mw, mm, ms).log_prob(x) - mixture(qw, qm, qs).log_prob(x)
+        lse = torch.logsumexp(lw, 0)
+        w = torch.exp(lw - lse)
+        return (w[:, None] * x).sum(0), 1.0 / (w**2).sum(), lw - lse, lse - math.log(x.shape[0])
+
+    batched = torch.vmap(one)
+    return lambda x: batched(x, *reference.params())
+
+
+def _isb_bytes(p: Params) -> int:
+    # Read: the samples (and the small parameters); written: the log weights
+    # and the per-problem outputs.
+    b, n, d, k, kq = p["B"], p["N"], p["D"], p["K"], p["Kq"]
+    return 4 * (b * n * d + b * (k + kq) * (2 * d + 1) + b * n + b * (d + 2))
+
+
 # --- resampling ---------------------------------------------------------------
 
 
@@ -520,6 +599,24 @@ WORKLOADS: Dict[str, Workload] = {
             peers={"loop": Peer(requires="torch", make=_snis_loop),
                    "vmap": Peer(requires="torch", make=_snis_vmap)},
             bytes_moved=_snis_bytes,
+        ),
+        # importance_sampling with B independent targets and mixture proposals
+        # and the log evidence, against a Python loop of calls and torch.vmap
+        # of the plain torch.distributions code (issue 28: >= 20x the loop).
+        Workload(
+            name="importance_sampling_batched",
+            op="importance_log_weights",
+            fused_name="importance_sampling",
+            # "large" is the issue's 1024 problems x N = 4096 (a CPU run of its
+            # eager program takes seconds: the smoke test runs "default").
+            sizes={"default": {"B": 64, "N": 4096, "D": 16, "K": 3, "Kq": 2},
+                   "large": {"B": 1024, "N": 4096, "D": 16, "K": 3, "Kq": 2}},
+            make_reference=_ISBatched,
+            make_inputs=_isb_inputs,
+            make_fused=_isb_fused,
+            peers={"loop": Peer(requires="torch", make=_isb_loop),
+                   "vmap": Peer(requires="torch", make=_isb_vmap)},
+            bytes_moved=_isb_bytes,
         ),
         # Resampling N indices from N log weights (M = N); eager is the
         # cumsum + searchsorted program (fused_ops.reference.resample).

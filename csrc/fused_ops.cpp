@@ -195,4 +195,15 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor eps, Tensor?[] enc_weights, Tensor?[] enc_biases, Tensor w_head, Tensor b_head, "
       "Tensor?[] dec_weights, Tensor?[] dec_biases, Tensor? dec_logvar, int activation, "
       "float act_param, int likelihood) -> Tensor[]");
+  // Unnormalised importance log weights log p(x) - log q(x) of B problems,
+  // target and proposal diagonal Gaussian mixtures (csrc/importance_log_weights.h),
+  // and their backward (gradients of all seven inputs; no upstream gradient: zeros).
+  m.def(
+      "importance_log_weights(Tensor samples, Tensor mix_weights, Tensor mix_mus, Tensor mix_stds, "
+      "Tensor q_weights, Tensor q_mus, Tensor q_stds) -> Tensor");
+  m.def(
+      "importance_log_weights_backward(Tensor? grad_log_weights, Tensor samples, Tensor mix_weights, "
+      "Tensor mix_mus, Tensor mix_stds, Tensor q_weights, Tensor q_mus, Tensor q_stds) -> (Tensor grad_samples, "
+      "Tensor grad_mix_weights, Tensor grad_mix_mus, Tensor grad_mix_stds, Tensor grad_q_weights, "
+      "Tensor grad_q_mus, Tensor grad_q_stds)");
 }

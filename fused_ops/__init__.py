@@ -19,6 +19,9 @@ in :mod:`fused_ops.ops`, one module per op):
   log weights to indices.
 - :func:`odeint_mlp` (op :func:`ode_mlp`) -- fixed-grid Runge-Kutta sampling
   of an MLP velocity field with torchdiffeq's semantics.
+- :func:`importance_log_weights` -- ``log p(x) - log q(x)`` of many problems,
+  target and proposal Gaussian mixtures (the batched route of
+  :func:`importance_sampling`).
 
 Modules that are drop-in replacements for the reference modules live in
 :mod:`fused_ops.nn`; the reference programs themselves in
@@ -38,11 +41,12 @@ from .ops import vae_mlp_elbo  # noqa: E402
 from .ops import snis  # noqa: E402
 from .ops import resample  # noqa: E402
 from .ops import ode_mlp, odeint_mlp  # noqa: E402
+from .ops import importance_log_weights  # noqa: E402
 
 # The package version: 0.1.0, with a local tag naming the CUDA of a CUDA build
 # (0.1.0+cu130), as setup.py wrote it into _build_info.
 __version__ = (_built_with() or {}).get("version") or "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "vae_iwae", "vae_mlp_elbo", "snis", "resample", "ode_mlp", "odeint_mlp", "distributed", "nn", "ops", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "vae_iwae", "vae_mlp_elbo", "snis", "resample", "ode_mlp", "odeint_mlp", "importance_log_weights", "distributed", "nn", "ops", "reference", "info"]
 
 
 def info():

@@ -210,3 +210,31 @@ def resample(log_weights, uniforms, num_samples, method):
     n = torch.arange(lw.shape[-1], device=lw.device)
     last_positive = torch.where(w > 0, n, 0).amax(-1, keepdim=True)
     return torch.minimum(idx, last_positive)
+
+
+def mixture_log_density(samples, weights, mus, stds):
+    """Log density (without the -D/2 log 2 pi term) of a diagonal Gaussian
+    mixture at ``samples [..., N, D]``: ``weights [..., K]``, ``mus``,
+    ``stds [..., K, D]`` -> ``[..., N]``."""
+    diff = (samples[..., :, None, :] - mus[..., None, :, :]) / stds[..., None, :, :]
+    log_comp = (-0.5 * diff**2 - torch.log(stds)[..., None, :, :]).sum(-1)
+    return torch.logsumexp(log_comp + torch.log(weights)[..., None, :], dim=-1)
+
+
+def importance_log_weights(samples, mix_weights, mix_mus, mix_stds, q_weights, q_mus, q_stds):
+    """``log p(x) - log q(x)`` as users write it, target and proposal diagonal
+    Gaussian mixtures, leading batch dimensions independent problems:
+    ``samples [..., N, D]``, ``*_weights [..., K]``, ``*_mus``, ``*_stds
+    [..., K, D]`` -> ``[..., N]``, like ``fused_ops.importance_log_weights``."""
+    return (mixture_log_density(samples, mix_weights, mix_mus, mix_stds)
+            - mixture_log_density(samples, q_weights, q_mus, q_stds))
+
+
+def importance_sampling_batched(samples, mix_weights, mix_mus, mix_stds, q_weights, q_mus, q_stds):
+    """Self-normalised importance sampling of :func:`importance_log_weights`:
+    ``(weighted_mean [..., D], ess [...], log_weights [..., N], log_evidence [...])``,
+    what ``fused_ops.importance_sampling(..., q_weights=..., return_evidence=True)``
+    computes."""
+    lw = importance_log_weights(samples, mix_weights, mix_mus, mix_stds, q_weights, q_mus, q_stds)
+    lnw, ess, log_evidence, mean, _ = snis(lw, samples)
+    return mean, ess, lnw, log_evidence

@@ -18,7 +18,8 @@ know about one op, so that each contract check is written once:
 
 Sizes are tuples: importance_sampling (N, D, K); flow_euler (B, D, H, steps);
 vae_elbo (B, I, H, L); snis (B, N, D); resample (B, N, M, method); ode_mlp (B, D, H, steps, method, activation);
-vae_mlp_elbo (B, I, H1, H2, L, activation, likelihood).  Not a test module: pytest collects nothing here.
+vae_mlp_elbo (B, I, H1, H2, L, activation, likelihood); importance_log_weights (B, N, D, K, Kq).
+Not a test module: pytest collects nothing here.
 """
 
 from op_table.base import (
@@ -41,6 +42,7 @@ from op_table.snis import SNIS
 from op_table.resample import RESAMPLE
 from op_table.ode_mlp import ODE_MLP
 from op_table.vae_mlp import VAE_MLP
+from op_table.importance_log_weights import IMPORTANCE_LOG_WEIGHTS
 from op_table.vae_elbo import (
     VAE_ELBO,
     vae_assert_grads_close,
@@ -55,11 +57,13 @@ __all__ = [
     "PathCase", "all_subsets", "as_tuple", "max_abs", "subset_id", "IMPORTANCE_SAMPLING", "FLOW_EULER", "VAE_ELBO", "SNIS", "RESAMPLE",
     "ODE_MLP",
     "VAE_MLP",
+    "IMPORTANCE_LOG_WEIGHTS",
     "vae_assert_grads_close", "vae_clear_of_relu_kinks", "vae_gradcheck_inputs", "vae_preactivations",
     "vae_reference",
 ]
 
-CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RESAMPLE, ODE_MLP, VAE_MLP)}
+CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RESAMPLE, ODE_MLP, VAE_MLP,
+                             IMPORTANCE_LOG_WEIGHTS)}
 
 # Small sizes for tests of the Python layer (transforms, forward AD) that
 # run each op a few times per test.
@@ -70,7 +74,7 @@ CASES = {c.name: c for c in (IMPORTANCE_SAMPLING, FLOW_EULER, VAE_ELBO, SNIS, RE
 # rows to w_head's under dynamic shapes).
 SMALL_SIZES = {"importance_sampling": (37, 5, 3), "flow_euler": (3, 4, 9, 3), "vae_elbo": (4, 6, 5, 3), "snis": (3, 37, 4),
                "resample": (3, 37, 5, "stratified"), "ode_mlp": (3, 2, 9, 4, 1, 0),
-               "vae_mlp_elbo": (5, 6, 9, 7, 2, 0, 3)}
+               "vae_mlp_elbo": (5, 6, 9, 7, 2, 0, 3), "importance_log_weights": (2, 37, 5, 3, 2)}
 
 
 def small_calls():

@@ -4,8 +4,9 @@ workload compute-sanitizer runs.
     compute-sanitizer --tool memcheck python tools/sanitize_run.py [op ...]
     python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
-Ops: importance_sampling, flow_euler, vae_elbo, snis, ode_mlp, vae_mlp_elbo and their ``_backward``
-ops, resample (all by default; ``flow``, ``vae``, ``ode`` and ``vae_mlp`` name both directions of those ops).
+Ops: importance_sampling, flow_euler, vae_elbo, snis, ode_mlp, vae_mlp_elbo, importance_log_weights and
+their ``_backward`` ops, resample (all by default; ``flow``, ``vae``, ``ode``, ``vae_mlp`` and ``ilw``
+name both directions of those ops).
 
 For each op the kernel-path table of this build (``fused_ops._paths``) gives
 the paths.  Each case below names the path(s) it is meant for; a case is run
@@ -445,6 +446,49 @@ VAE_MLP_BACKWARD_CASES = [
     case(NATURAL, 0, 6, (5,), 2, (5,), F32, note="empty batch: zero weight gradients"),
 ]
 
+
+def _ilw_inputs(b, n, d, k, kq, dtype):
+    opts = dict(device="cuda", dtype=dtype)
+    return (torch.randn(b, n, d, **opts) * 2, torch.rand(b, k, **opts) + 0.2, torch.randn(b, k, d, **opts) * 1.5,
+            torch.rand(b, k, d, **opts) + 0.6, torch.rand(b, kq, **opts) + 0.2, torch.randn(b, kq, d, **opts) * 0.5,
+            torch.rand(b, kq, d, **opts) + 1.5)
+
+
+def run_ilw(b, n, d, k, kq, dtype):
+    """importance_log_weights [b, n] against the reference in float64."""
+    args = _ilw_inputs(b, n, d, k, kq, dtype)
+    got = fused_ops.importance_log_weights(*args)
+    want = reference.importance_log_weights(*(a.double() for a in args))
+    return close([got.double()], [want], atol=1e-4 * max(want.abs().max().item(), 1.0))
+
+
+def run_ilw_backward(b, n, d, k, kq, dtype):
+    """The gradients of all seven inputs against the reference's autograd in float64."""
+    args = [a.requires_grad_() for a in _ilw_inputs(b, n, d, k, kq, dtype)]
+    up = torch.randn(b, n, device="cuda", dtype=dtype) / n**0.5
+    got = torch.autograd.grad(fused_ops.importance_log_weights(*args), args, up)
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    want = torch.autograd.grad(reference.importance_log_weights(*args64), args64, up.double())
+    return all(torch.allclose(g.double(), w, rtol=1e-3, atol=1e-4 * max(w.abs().max().item(), 1.0))
+               for g, w in zip(got, want))
+
+
+ILW_CASES = [  # sizes: (B, N, D, K, Kq, dtype)
+    case("staged", 64, 300, 16, 3, 1, F32, note="many problems, a ragged last block"),
+    case("staged", 1, 5000, 3, 2, 2, F64, note="one problem over many blocks, float64"),
+    case("staged", 1, 1, 1, 1, 1, F32, note="smallest"),
+    case("global", 2, 300, 1024, 3, 3, F32, note="parameters over 48 KB"),
+    case("global", 3, 257, 5, 3, 2, F32, note="forced where staged applies"),
+]
+
+ILW_BACKWARD_CASES = [  # one path ("tiled")
+    case(NATURAL, 64, 300, 16, 3, 1, F32, note="256-row coefficient tiles in shared memory"),
+    case(NATURAL, 2, 500, 4, 30, 10, F32, note="J = 40: fewer rows per tile"),
+    case(NATURAL, 2, 100, 2, 100, 60, F32, note="J = 160: the tile in global memory"),
+    case(NATURAL, 1, 300, 700, 3, 2, F64, note="parameters in global memory, float64"),
+    case(NATURAL, 1, 1, 1, 1, 1, F32, note="smallest"),
+]
+
 # op -> (runner, cases); the runner's forced path is the op's own table's.
 OPS = {
     "importance_sampling": (run_is, IS_CASES),
@@ -460,9 +504,12 @@ OPS = {
     "ode_mlp_backward": (run_ode_backward, ODE_BACKWARD_CASES),
     "vae_mlp_elbo": (run_vae_mlp, VAE_MLP_CASES),
     "vae_mlp_elbo_backward": (run_vae_mlp_backward, VAE_MLP_BACKWARD_CASES),
+    "importance_log_weights": (run_ilw, ILW_CASES),
+    "importance_log_weights_backward": (run_ilw_backward, ILW_BACKWARD_CASES),
 }
 ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
            "ode": ["ode_mlp", "ode_mlp_backward"], "vae_mlp": ["vae_mlp_elbo", "vae_mlp_elbo_backward"],
+           "ilw": ["importance_log_weights", "importance_log_weights_backward"],
            "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}
 
 

@@ -12,6 +12,7 @@ from :mod:`fused_ops`.
 
 from ._flow_euler import flow_euler, flow_euler_backward
 from ._importance_sampling import importance_sampling, importance_sampling_backward
+from ._importance_log_weights import importance_log_weights, importance_log_weights_backward
 from ._resample import resample
 from ._vae_elbo import LIKELIHOODS, vae_elbo
 from ._vae_iwae import vae_iwae
@@ -38,4 +39,6 @@ __all__ = [
     "ode_mlp_backward",
     "odeint_fixed",
     "odeint_mlp",
+    "importance_log_weights",
+    "importance_log_weights_backward",
 ]

@@ -11,12 +11,16 @@ from torch import Tensor
 
 from .. import _eager
 from . import _dtypes
+from . import _snis  # noqa: F401  (registers snis' fake and autograd before the batched route uses it)
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
+from ._importance_log_weights import flatten_problems
 
 __all__ = ["importance_sampling", "importance_sampling_backward"]
 
 _OP = torch.ops.fused_ops.importance_sampling.default
 _BACKWARD_OP = torch.ops.fused_ops.importance_sampling_backward.default
+_LW_OP = torch.ops.fused_ops.importance_log_weights.default
+_SNIS_OP = torch.ops.fused_ops.snis.default
 
 
 def importance_sampling(
@@ -26,9 +30,12 @@ def importance_sampling(
     mix_stds: Tensor,
     q_mu: Tensor,
     q_std: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
+    *,
+    q_weights: Tensor | None = None,
+    return_evidence: bool = False,
+) -> tuple[Tensor, ...]:
     r"""Self-normalised importance sampling of a Gaussian-mixture target with a
-    diagonal Gaussian proposal, in one fused kernel.
+    diagonal Gaussian (or Gaussian-mixture) proposal, in fused kernels.
 
     Shapes: ``samples [N, D]``, ``mix_weights [K]``, ``mix_mus [K, D]``,
     ``mix_stds [K, D]``, ``q_mu [D]``, ``q_std [D]``; all float32 or all
@@ -74,12 +81,75 @@ def importance_sampling(
     terms; autograd saves the inputs and outputs only, no ``[N, K]`` or
     ``[N, K, D]`` temporaries).  Double backward and forward-mode AD
     (``torch.func.jvp``, dual tensors) are not supported (RuntimeErrors).
+
+    **Batched, mixture proposal, evidence.**  Leading dimensions are
+    independent problems: ``samples [..., N, D]``, ``mix_weights [..., K]``,
+    ``mix_mus``/``mix_stds [..., K, D]``, ``q_mu``/``q_std [..., D]``
+    (broadcast against each other).  ``q_weights [..., Kq]`` makes the
+    proposal a diagonal Gaussian mixture, ``q_mu``/``q_std`` then
+    ``[..., Kq, D]``.  ``return_evidence=True`` appends the log evidence
+    ``log_evidence = logsumexp(log_p - log_q) - log N`` ``[...]`` as a
+    fourth output.  Outputs: ``weighted_mean [..., D]``, ``ess [...]``,
+    ``log_weights [..., N]`` (normalised) and, asked for, ``log_evidence``.
+    Such calls run :func:`fused_ops.importance_log_weights` (the log weights
+    of every problem in one kernel) and then :func:`fused_ops.snis` (its
+    normalisation, moments and evidence, all sums in double); the plain 2-D
+    call with a Gaussian proposal and no evidence runs the fused op above.
+    Non-finite log weights then follow ``snis``'s rules, which
+    agree with the above (NaN outputs where there is no normaliser) and
+    give ``log_evidence = -inf`` where every weight is zero; a problem
+    affects no other.  Broadcast arguments are materialised at the batch
+    shape (samples shared by all problems: ``B * N * D`` elements).
     """
+    if q_weights is not None or return_evidence or _is_batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
+        return _batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights, return_evidence)
     args, out_dtype = _dtypes.to_compute_dtype(_ARG_NAMES, (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std))
     return _dtypes.from_compute_dtype(_eager.call(_OP, args), out_dtype)
 
 
 _ARG_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std")
+_BATCHED_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_mu", "q_std", "q_weights")
+_UNBATCHED_RANKS = (2, 1, 2, 2, 1, 1)
+# importance_log_weights' arguments as this function names them.
+_LW_NAMES = ("samples", "mix_weights", "mix_mus", "mix_stds", "q_weights", "q_mu", "q_std")
+
+
+def _is_batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):
+    """Whether any argument has dimensions beyond its unbatched rank (a
+    missing or lower-rank one is left to the unbatched op, which names it).
+    Spelled out: this runs on every call of the plain op, whose host time is
+    a target."""
+    try:
+        return (samples.dim() > 2 or mix_weights.dim() > 1 or mix_mus.dim() > 2 or mix_stds.dim() > 2
+                or q_mu.dim() > 1 or q_std.dim() > 1)
+    except AttributeError:  # None (or not a tensor) before any batched argument
+        return any(isinstance(t, Tensor) and t.dim() > r
+                   for t, r in zip((samples, mix_weights, mix_mus, mix_stds, q_mu, q_std), _UNBATCHED_RANKS))
+
+
+def _batched(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights, return_evidence):
+    """The batched / mixture-proposal / evidence route: importance_log_weights, then snis."""
+    args, out_dtype = _dtypes.to_compute_dtype(
+        _BATCHED_NAMES, (samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights))
+    samples, mix_weights, mix_mus, mix_stds, q_mu, q_std, q_weights = args
+    if q_weights is None:  # a Gaussian proposal: one component of weight 1
+        for t, name in ((q_mu, "q_mu"), (q_std, "q_std")):
+            if t is None:
+                raise RuntimeError(f"{name} must be a 1-D tensor [D] or batched [..., D], got None")
+            if t.dim() < 1:
+                raise RuntimeError(f"{name} must be a 1-D tensor [D] or batched [..., D], got shape {shape_str(t)}")
+        q_mu, q_std = q_mu.unsqueeze(-2), q_std.unsqueeze(-2)
+        q_weights = q_mu.new_ones(1)  # no batch dimensions of its own: broadcast to every problem
+    flat, batch = flatten_problems((samples, mix_weights, mix_mus, mix_stds, q_weights, q_mu, q_std), broadcast=True,
+                                   names=_LW_NAMES)
+    check_same_float_dtype_and_device(list(zip(flat, _LW_NAMES)))  # named as the caller named them
+    lw = _eager.call(_LW_OP, flat)
+    lnw, ess, log_evidence, mean, _ = _eager.call(_SNIS_OP, (lw, flat[0]), False)
+    n, d = flat[0].shape[-2], flat[0].shape[-1]
+    out = (mean.reshape(*batch, d), ess.reshape(batch), lnw.reshape(*batch, n))
+    if return_evidence:
+        out = (*out, log_evidence.reshape(batch))
+    return _dtypes.from_compute_dtype(out, out_dtype)
 
 
 def _check_args(samples, mix_weights, mix_mus, mix_stds, q_mu, q_std):

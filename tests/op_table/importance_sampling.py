@@ -211,11 +211,19 @@ IMPORTANCE_SAMPLING = OpCase(
     bad_size=(6, 4, 3),
     bad_inputs=(
         Bad("samples_1d", _is_bad(samples=lambda t: t[0]), "samples", r"2-D"),
-        Bad("samples_3d", _is_bad(samples=lambda t: t[None]), "samples", r"2-D"),
-        Bad("mix_weights_2d", _is_bad(mix_weights=lambda t: t[None]), "mix_weights", r"1-D"),
+        # Leading dimensions are batches for the function (broadcast against
+        # each other), not for the 2-D op: bad for both when they do not broadcast.
+        Bad("samples_3d_batch_mismatch", _is_bad(samples=lambda t: t[None].expand(2, -1, -1),
+                                                 mix_weights=lambda t: t[None].expand(3, -1)),
+            "samples", r"2-D|broadcast"),
+        Bad("mix_weights_2d_batch_mismatch", _is_bad(mix_weights=lambda t: t[None].expand(2, -1),
+                                                     mix_mus=lambda t: t[None].expand(3, -1, -1)),
+            "mix_weights", r"1-D|broadcast"),
         Bad("mix_mus_1d", _is_bad(mix_mus=lambda t: t[0]), "mix_mus", r"2-D"),
         Bad("mix_stds_1d", _is_bad(mix_stds=lambda t: t[0]), "mix_stds", r"2-D"),
-        Bad("q_mu_2d", _is_bad(q_mu=lambda t: t[None]), "q_mu", r"1-D"),
+        Bad("q_mu_2d_batch_mismatch", _is_bad(q_mu=lambda t: t[None].expand(2, -1),
+                                              q_std=lambda t: t[None].expand(3, -1)),
+            "q_mu", r"1-D|broadcast"),
         Bad("q_std_0d", _is_bad(q_std=lambda t: t[0]), "q_std", r"1-D"),
         Bad("mix_mus_D", _is_bad(mix_mus=lambda t: torch.cat([t, t[:, :1]], 1)), "mix_mus", r"\b4\b"),
         Bad("mix_stds_D", _is_bad(mix_stds=lambda t: t[:, :3]), "mix_stds", r"\b4\b"),
