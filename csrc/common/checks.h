@@ -181,6 +181,20 @@ inline Tensor empty_like_device(const Tensor& like, std::initializer_list<int64_
   return Tensor(out);
 }
 
+// A float64 workspace of n (at least 1) elements on `like`'s device, whatever
+// `like`'s dtype (the kernels' double partial sums); `op` names the op in the
+// error.
+inline Tensor float64_workspace(const Tensor& like, int64_t n, const char* op) {
+  int64_t size = n > 0 ? n : 1, stride = 1;
+  int32_t device_type = 0;
+  AtenTensorHandle out = nullptr;
+  const bool ok = aoti_torch_get_device_type(like.get(), &device_type) == AOTI_TORCH_SUCCESS &&
+                  aoti_torch_empty_strided(1, &size, &stride, aoti_torch_dtype_float64(), device_type,
+                                           like.get_device_index(), &out) == AOTI_TORCH_SUCCESS;
+  FUSED_OPS_CHECK(ok, "fused_ops: could not allocate the ", op, " workspace (", size, " doubles)");
+  return Tensor(out);
+}
+
 // Float dispatch without ATen's AT_DISPATCH macros: calls f(T{}) with the
 // element type of a float32/float64 tensor (the checks above ran first).
 template <typename F>

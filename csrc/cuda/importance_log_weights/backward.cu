@@ -170,7 +170,8 @@ void launch_tiled_typed(const ImportanceLogWeightsBackwardCall& c) {
   FUSED_OPS_CHECK(blocks <= INT_MAX, "importance_log_weights_backward: too many problems for one grid (B=", c.B,
                   ")");
   const int64_t prep = prepared_doubles(c.B, J, c.D);
-  const Tensor ws = workspace(c.x, prep + blocks * stride + (coef_in_smem ? 0 : blocks * tile * J));
+  const Tensor ws = float64_workspace(c.x, prep + blocks * stride + (coef_in_smem ? 0 : blocks * tile * J),
+                                      "importance_log_weights");
   double* w = mdata<double>(ws);
   const Params<T> p = make_params<T>(c, w);
   Grads<T> a;

@@ -181,18 +181,6 @@ __device__ __forceinline__ void row_log_sums(const Params<T>& p, const Staged<T>
 // Host side
 // ---------------------------------------------------------------------------
 
-// A float64 workspace of n elements on `like`'s device.
-inline Tensor workspace(const Tensor& like, int64_t n) {
-  int64_t size = n > 0 ? n : 1, stride = 1;
-  int32_t device_type = 0;
-  AtenTensorHandle out = nullptr;
-  const bool ok = aoti_torch_get_device_type(like.get(), &device_type) == AOTI_TORCH_SUCCESS &&
-                  aoti_torch_empty_strided(1, &size, &stride, aoti_torch_dtype_float64(), device_type,
-                                           like.get_device_index(), &out) == AOTI_TORCH_SUCCESS;
-  FUSED_OPS_CHECK(ok, "fused_ops: could not allocate the importance_log_weights workspace (", size, " doubles)");
-  return Tensor(out);
-}
-
 // Params over the inputs, with the prepared arrays carved from `ws` (its
 // first prepared_doubles(...) elements), and the prepare launch.
 inline int64_t prepared_doubles(int64_t B, int64_t J, int64_t D) {

@@ -46,7 +46,7 @@ template <typename T>
 void launch_rows_typed(const ImportanceLogWeightsCall& c, bool staged) {
   const int device = cuda::current_device();
   const cudaStream_t stream = cuda::current_stream(device);
-  const Tensor ws = workspace(c.x, prepared_doubles(c.B, c.K + c.Kq, c.D));
+  const Tensor ws = float64_workspace(c.x, prepared_doubles(c.B, c.K + c.Kq, c.D), "importance_log_weights");
   const Params<T> p = make_params<T>(c, mdata<double>(ws));
   launch_prepare(p, stream);
   const int64_t nb = (c.N + kThreads - 1) / kThreads;

@@ -122,7 +122,7 @@ void launch_twopass_typed(const Call& c) {
   a.chunk = snis_paths::split_chunk(c.B, c.N, cuda::multiprocessor_count(device));
   a.C = (c.N + a.chunk - 1) / a.chunk;
   const int64_t parts = c.B * a.C;
-  Tensor ws = snis_paths::double_workspace(c.lnw, parts * 3);
+  Tensor ws = float64_workspace(c.lnw, parts * 3, "snis");
   a.part = mdata<double>(ws);
   const cudaStream_t stream = cuda::current_stream(device);
   snis_bwd_partials<T><<<unsigned(parts), kThreads, 0, stream>>>(a);

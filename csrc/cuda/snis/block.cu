@@ -53,7 +53,7 @@ void launch_block_typed(const SnisCall& c) {
   Args<T> a = make_args<T>(c);
   Tensor ws;
   if (c.moments && c.D > 0) {
-    ws = double_workspace(c.lw, c.B * c.D);
+    ws = float64_workspace(c.lw, c.B * c.D, "snis");
     a.mean64 = mdata<double>(ws);
   }
   const int sms = cuda::multiprocessor_count(cuda::current_device());

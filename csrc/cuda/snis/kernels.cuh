@@ -171,17 +171,6 @@ __device__ void block_moments(const T* __restrict__ lw, const T* __restrict__ x,
 // Host side
 // ---------------------------------------------------------------------------
 
-inline Tensor double_workspace(const Tensor& like, int64_t n) {
-  int64_t size = n > 0 ? n : 1, stride = 1;
-  int32_t device_type = 0;
-  AtenTensorHandle out = nullptr;
-  const bool ok = aoti_torch_get_device_type(like.get(), &device_type) == AOTI_TORCH_SUCCESS &&
-                  aoti_torch_empty_strided(1, &size, &stride, aoti_torch_dtype_float64(), device_type,
-                                           like.get_device_index(), &out) == AOTI_TORCH_SUCCESS;
-  FUSED_OPS_CHECK(ok, "fused_ops: could not allocate the snis workspace (", size, " doubles)");
-  return Tensor(out);
-}
-
 // The split path's chunk: enough blocks for ~8 per SM over all problems,
 // at least kMinChunk weights, a multiple of kThreads.
 inline int64_t split_chunk(int64_t B, int64_t N, int sms) {

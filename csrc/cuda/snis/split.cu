@@ -87,7 +87,7 @@ void launch_split_typed(const SnisCall& c) {
   a.C = (c.N + a.chunk - 1) / a.chunk;
   const int64_t parts = c.B * a.C, D = c.has_samples ? c.D : 0;
   // stats (3 doubles each), sums [parts, D], mean64 [B, D], lse [B]
-  Tensor ws = double_workspace(c.lw, parts * (3 + D) + c.B * (D + 1));
+  Tensor ws = float64_workspace(c.lw, parts * (3 + D) + c.B * (D + 1), "snis");
   double* w = mdata<double>(ws);
   a.stats = reinterpret_cast<SnisStats*>(w);
   a.sums = w + parts * 3;
