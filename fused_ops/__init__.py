@@ -11,7 +11,8 @@ in :mod:`fused_ops.ops`, one module per op):
   reconstruction and KL (per-sample ELBO).
 - :func:`vae_iwae` -- the K-sample importance-weighted bound of that VAE.
 - :func:`vae_mlp_elbo` -- the ELBO of a VAE with MLPs of 1 to 4 hidden
-  layers (any widths and activation, one ``[mu | logvar]`` head).
+  layers (any widths and activation, one ``[mu | logvar]`` head);
+  :func:`vae_mlp_iwae` its K-sample importance-weighted bound.
 - :func:`snis` -- self-normalised importance sampling of given log weights
   (batched; normalised weights, ESS, evidence, weighted moments);
   :func:`fused_ops.distributed.snis` across processes.
@@ -38,6 +39,7 @@ from . import distributed, nn, ops, reference  # noqa: E402
 from .ops import flow_euler, importance_sampling, vae_elbo  # noqa: E402
 from .ops import vae_iwae  # noqa: E402
 from .ops import vae_mlp_elbo  # noqa: E402
+from .ops import vae_mlp_iwae  # noqa: E402
 from .ops import snis  # noqa: E402
 from .ops import resample  # noqa: E402
 from .ops import ode_mlp, odeint_mlp  # noqa: E402
@@ -46,7 +48,7 @@ from .ops import importance_log_weights  # noqa: E402
 # The package version: 0.1.0, with a local tag naming the CUDA of a CUDA build
 # (0.1.0+cu130), as setup.py wrote it into _build_info.
 __version__ = (_built_with() or {}).get("version") or "0.1.0"
-__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "vae_iwae", "vae_mlp_elbo", "snis", "resample", "ode_mlp", "odeint_mlp", "importance_log_weights", "distributed", "nn", "ops", "reference", "info"]
+__all__ = ["importance_sampling", "flow_euler", "vae_elbo", "vae_iwae", "vae_mlp_elbo", "vae_mlp_iwae", "snis", "resample", "ode_mlp", "odeint_mlp", "importance_log_weights", "distributed", "nn", "ops", "reference", "info"]
 
 
 def info():

@@ -322,6 +322,9 @@ def main(argv=None):
                     print(f"FAIL {r['check']}: {r['detail']}\n{r.get('traceback', '')}", file=sys.stderr)
             print(f"{'passed' if ok else 'FAILED'}: {sum(r['passed'] for r in merged)}/{len(merged)} checks; "
                   f"{stem}.json, {stem}.md")
+        # Tear the group down together: a gloo rank whose peer has already
+        # destroyed its group can abort at exit.
+        dist.barrier()
         return 0 if ok else 1
     finally:
         dist.destroy_process_group()

