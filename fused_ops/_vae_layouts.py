@@ -289,13 +289,11 @@ def build_mlp(input_dim, widths, latent_dim, activation, head, likelihood):
 def mlp_outputs(layout, likelihood, x, eps, ew, eb, wh, bh, dw, db):
     """``(decoder output, mu, logvar)`` of the general layout, in PyTorch:
     the decoder's output is the mean ``a`` for "gaussian", ``sigmoid(a)`` otherwise."""
-    from .ops._ode import _TORCH_ACTS
+    from .ops._ode import _TORCH_ACTS, ACTIVATIONS
+    from .ops._vae_mlp import mlp_encode
 
     act, p = _TORCH_ACTS[layout.activation], layout.act_param
-    h = x
-    for w, b in zip(ew, eb):
-        h = act(F.linear(h, w, b), p)
-    mu, logvar = F.linear(h, wh, bh).chunk(2, -1)
+    mu, logvar = mlp_encode(x, ew, eb, wh, bh, ACTIVATIONS[layout.activation], p)
     g = mu + torch.exp(0.5 * logvar) * eps
     for w, b in zip(dw[:-1], db[:-1]):
         g = act(F.linear(g, w, b), p)

@@ -45,6 +45,8 @@ _TORCH_ACTS = {
     "gelu_tanh": lambda a, p: F.gelu(a, approximate="tanh"), "softplus": lambda a, p: F.softplus(a, p),
     "tanh": lambda a, p: torch.tanh(a), "sigmoid": lambda a, p: torch.sigmoid(a),
 }
+# code -> the torch.nn.functional form, as _TORCH_ACTS by name.
+_TORCH_ACTS_BY_CODE = {ACTIVATIONS[name]: f for name, f in _TORCH_ACTS.items()}
 MAX_LAYERS = 8
 
 # ---------------------------------------------------------------------------
@@ -173,7 +175,8 @@ def odeint_fixed(func, y0, t, method="euler", step_size=None):
 
 
 def _act(activation, activation_param):
-    if activation not in ACTIVATIONS:
+    """``(code, parameter)`` of an activation name (:data:`ACTIVATIONS`)."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     p = _DEFAULT_PARAM.get(activation, 0.0) if activation_param is None else float(activation_param)
     return ACTIVATIONS[activation], p

@@ -8,9 +8,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._ode import _TORCH_ACTS, ACTIVATIONS
 from ._vae_elbo import vae_elbo
-from ._vae_mlp import activation_code, vae_mlp_elbo
+from ._vae_mlp import activation_code, mlp_encode, vae_mlp_elbo
 
 __all__ = ["vae_iwae", "vae_mlp_iwae"]
 
@@ -128,15 +127,9 @@ def vae_mlp_iwae(
         x = x.reshape(x.shape[0], -1)
     latent_dim = w_head.shape[0] // 2 if isinstance(w_head, Tensor) and w_head.dim() == 2 else None
     k, b, latent = _check_iwae_shapes(x, eps, latent_dim, "L, half the rows of w_head")
-    code, param = (activation, float(act_param or 0.0)) if isinstance(activation, int) else activation_code(
-        activation, act_param)
+    code, param = activation_code(activation, act_param)
     xk = x.expand(k, *x.shape).reshape(k * b, x.shape[1])
     _, recon, _ = vae_mlp_elbo(xk, eps.reshape(k * b, latent), enc_weights, enc_biases, w_head, b_head, dec_weights,
                                dec_biases, activation=code, act_param=param, likelihood=likelihood,
                                dec_logvar=dec_logvar)
-    act = _TORCH_ACTS[next(name for name, c in ACTIVATIONS.items() if c == code)]
-    h = x
-    for w, bias in zip(enc_weights, enc_biases):
-        h = act(torch.nn.functional.linear(h, w, bias), param)
-    mu, logvar = torch.nn.functional.linear(h, w_head, b_head).chunk(2, -1)
-    return _bound(recon, mu, logvar, eps)
+    return _bound(recon, *mlp_encode(x, enc_weights, enc_biases, w_head, b_head, code, param), eps)

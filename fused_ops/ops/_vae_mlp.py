@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
-from ._ode import ACTIVATIONS, _DEFAULT_PARAM
+from ._ode import _TORCH_ACTS_BY_CODE, _act
 from ._vae_elbo import LIKELIHOODS, likelihood_code
 
 __all__ = ["vae_mlp_elbo", "MAX_HIDDEN"]
@@ -26,11 +26,22 @@ MAX_HIDDEN = 4
 
 
 def activation_code(activation, act_param=None):
-    """``(code, parameter)`` of an activation name (``fused_ops.ops._ode.ACTIVATIONS``)."""
-    code = ACTIVATIONS.get(activation) if isinstance(activation, str) else None
-    if code is None:
-        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
-    return code, float(_DEFAULT_PARAM.get(activation, 0.0) if act_param is None else act_param)
+    """``(code, parameter)`` of an activation: a name (``fused_ops.ops._ode.ACTIVATIONS``,
+    its default parameter when ``act_param`` is None) or the op's int code."""
+    if isinstance(activation, int) and not isinstance(activation, bool):  # the op's code (the schema's form)
+        return activation, float(0.0 if act_param is None else act_param)
+    return _act(activation, act_param)
+
+
+def mlp_encode(x, enc_weights, enc_biases, w_head, b_head, activation, act_param):
+    """``(mu, logvar)`` of the encoder and head in PyTorch (``activation`` an
+    int code): what the fused ops compute inside, for callers that need them
+    as differentiable tensors."""
+    act = _TORCH_ACTS_BY_CODE[activation]
+    h = x
+    for w, b in zip(enc_weights, enc_biases):
+        h = act(torch.nn.functional.linear(h, w, b), act_param)
+    return torch.nn.functional.linear(h, w_head, b_head).chunk(2, -1)
 
 
 def vae_mlp_elbo(
@@ -102,10 +113,7 @@ def vae_mlp_elbo(
     """
     if isinstance(x, Tensor) and x.dim() > 2:
         x = x.reshape(x.shape[0], -1)
-    if isinstance(activation, int) and not isinstance(activation, bool):  # the op's code (the schema's form)
-        act, param = activation, float(0.0 if act_param is None else act_param)
-    else:
-        act, param = activation_code(activation, act_param)
+    act, param = activation_code(activation, act_param)
     is_code = isinstance(likelihood, int) and not isinstance(likelihood, bool)
     lik = likelihood if is_code else likelihood_code(likelihood)
     enc_weights, enc_biases, dec_weights, dec_biases = (
