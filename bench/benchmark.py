@@ -377,6 +377,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "(default: print the table only)")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="write the results to DIR/<device>[-train].{json,md,png} instead")
+    parser.add_argument("--name", default=None, metavar="SUFFIX",
+                        help="with --save/--out: files <device>[-train]-SUFFIX.* (a run of some workloads "
+                             "kept beside the full table)")
     parser.add_argument("--min-run-time", type=float, default=None, metavar="SECONDS",
                         help="minimum timed seconds per variant (default: 1.0 on cuda, 0.5 on cpu; "
                              "overrides --quick)")
@@ -467,6 +470,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"warning: load average {meta['load_avg_1m']:.2f}: other processes are running, "
               "timings (CPU ones especially) will be noisy", flush=True)
 
+    out_dir = args.out if args.out is not None else DEFAULT_OUT if args.save else None
     rows = []
     for workload in workloads:
         for size in sizes:
@@ -475,6 +479,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if device.type == "cuda":
                 add_targets(row, workload)
             rows.append(row)
+            if out_dir is not None:  # the rows so far, so a run stopped at a time limit keeps them
+                write_outputs(meta, rows, out_dir, plot=False)
 
     headers, cells = build_table(rows, device.type == "cuda")
     print(f"\n{TABLE_LEGEND}\n")
@@ -482,7 +488,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mismatches = [f"{r['workload']}/{r['size']}" for r in rows if r.get("match") is False]
     if mismatches:
         print(f"\n!! fused output MISMATCH for: {', '.join(mismatches)}")
-    out_dir = args.out if args.out is not None else DEFAULT_OUT if args.save else None
     if out_dir is not None:
         for path in write_outputs(meta, rows, out_dir):
             print(f"wrote {path}")

@@ -90,6 +90,8 @@ def collect_metadata(device: torch.device, args: argparse.Namespace, min_run_tim
         "seed": SEED,
         "argv": list(args.argv),
     }
+    if getattr(args, "name", None):
+        meta["name"] = args.name
     if getattr(args, "train", False):
         meta["mode"] = "train"
         meta["optimizer"] = args.optimizer
@@ -252,11 +254,13 @@ def format_markdown(meta: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(meta: Dict[str, Any], rows: List[Dict[str, Any]], out_dir: Path) -> List[Path]:
-    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib) ``<stem>.png``;
-    ``<stem>`` is the device slug, plus ``-train`` for training rows."""
+def write_outputs(meta: Dict[str, Any], rows: List[Dict[str, Any]], out_dir: Path, plot: bool = True) -> List[Path]:
+    """Write ``<stem>.json``, ``<stem>.md`` and (with matplotlib and ``plot``) ``<stem>.png``;
+    ``<stem>`` is the device slug, plus ``-train`` for training rows, plus ``-<name>``
+    for a run given ``--name``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / (meta["device_slug"] + ("-train" if meta.get("mode") == "train" else ""))
+    stem = out_dir / (meta["device_slug"] + ("-train" if meta.get("mode") == "train" else "")
+                      + (f"-{meta['name']}" if meta.get("name") else ""))
     data = {"metadata": meta, "results": rows}
     written = []
     json_path = stem.with_suffix(".json")
@@ -266,6 +270,8 @@ def write_outputs(meta: Dict[str, Any], rows: List[Dict[str, Any]], out_dir: Pat
     md_path.write_text(format_markdown(meta, rows))
     written.append(md_path)
 
+    if not plot:
+        return written
     try:
         from bench.plot import plot_results
     except ImportError as exc:  # matplotlib missing

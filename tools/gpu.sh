@@ -18,6 +18,12 @@
 #                        (python setup.py build_ext --inplace) instead of pip install -e
 #   TEST_SHARDS=2        runs the test files in that many pytest processes at
 #                        once (files dealt round-robin; one log per shard)
+#   TEST_WORKERS=12      instead: one pytest over pytest-xdist workers (-n 12), which
+#                        balances tests, not files (the contract file is a third of the suite)
+#   TEST_K="cuda"        pytest -k expression (e.g. only the CUDA variants, when CI has run
+#                        the CPU ones)
+#   SANITIZE_WITH_TESTS=1  the sanitizer tools run in background processes beside the
+#                        tests (each tool one process) instead of after them
 #   SKIP_TESTS=1         no test stage (e.g. a sanitizer-only or timing-only run)
 #   SANITIZE_TOOLS=none  no compute-sanitizer stage
 #   SANITIZE_TIMEOUT=420 seconds per sanitizer tool (racecheck is the slowest)
@@ -93,10 +99,28 @@ $PY -c 'import fused_ops, json; print("fused_ops from", fused_ops.__file__); pri
 # TEST_FILES narrows the suite (paths relative to tests/), e.g. for a re-run.
 TEST_PATHS=("$REPO/tests")
 if [[ -n "${TEST_FILES:-}" ]]; then TEST_PATHS=(); for f in $TEST_FILES; do TEST_PATHS+=("$REPO/tests/$f"); done; fi
+sanitize() {  # sanitize TOOL: compute-sanitizer over tools/sanitize_run.py's cases
+  stage "$1" timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool "$1" --error-exitcode 99 $PY "$RUN_DIR/tools/sanitize_run.py" ${SANITIZE_GROUPS:-}
+}
+SANITIZE_PIDS=()
+if [[ -n "${SANITIZE_WITH_TESTS:-}" ]]; then
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
+    [[ $tool == none ]] && continue
+    sanitize "$tool" &
+    SANITIZE_PIDS+=($!)
+  done
+fi
+K_ARGS=()
+[[ -n "${TEST_K:-}" ]] && K_ARGS=(-k "$TEST_K")
 if [[ -z "${SKIP_TESTS:-}" ]]; then
   SHARDS=${TEST_SHARDS:-1}
-  if (( SHARDS <= 1 )); then
-    stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "${TEST_PATHS[@]}"
+  if [[ -n "${TEST_WORKERS:-}" ]]; then
+    stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider -n "$TEST_WORKERS" \
+      --timeout ${TEST_TIMEOUT:-300} "${K_ARGS[@]}" "${TEST_PATHS[@]}"
+    grep -E "^(FAILED|ERROR)" "$LOGS/tests.log" | head -n 60 | tee -a "$SUMMARY"
+    tail -n 3 "$LOGS/tests.log" | tee -a "$SUMMARY"
+  elif (( SHARDS <= 1 )); then
+    stage tests timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider "${K_ARGS[@]}" "${TEST_PATHS[@]}"
     tail -n 15 "$LOGS/tests.log"
   else
     FILES=()
@@ -108,7 +132,7 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
       part=()
       for ((j = k; j < ${#FILES[@]}; j += SHARDS)); do part+=("${FILES[j]}"); done
       (( ${#part[@]} )) || continue
-      stage "tests$k" timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider --rootdir "$REPO" "${part[@]}" &
+      stage "tests$k" timeout ${TESTS_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider --rootdir "$REPO" "${K_ARGS[@]}" "${part[@]}" &
       pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; done
@@ -117,9 +141,10 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
     done
   fi
 fi
+for pid in "${SANITIZE_PIDS[@]}"; do wait "$pid"; done
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   [[ $tool == none ]] && continue
-  stage "$tool" timeout ${SANITIZE_TIMEOUT:-420} compute-sanitizer --tool "$tool" --error-exitcode 99 $PY "$RUN_DIR/tools/sanitize_run.py" ${SANITIZE_GROUPS:-}
+  [[ -z "${SANITIZE_WITH_TESTS:-}" ]] && sanitize "$tool"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|MISMATCH|^summary:" "$LOGS/$tool.log" | tee -a "$SUMMARY"
 done
 if [[ -n "${COMPARE_WITH:-}" ]]; then
