@@ -474,6 +474,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = []
     for workload in workloads:
         for size in sizes:
+            if size not in workload.sizes:  # e.g. snis_batched has one size
+                continue
             row = run_case(workload, size, device, min_run_time, use_compile=not args.no_compile,
                            train=args.train, optimizer=args.optimizer)
             if device.type == "cuda":

@@ -129,6 +129,39 @@ void ode_mlp_step(const OdeMlpPtrs<T>& p, const Ops& ops, const T* y, T* y1, int
   ops.step_update(y1, y, buf.K, n, p.t, k, p.method);
 }
 
+// Elements of the workspace ode_mlp_forward_rows needs for `rows` rows.
+template <typename T>
+int64_t ode_mlp_forward_work(const OdeMlpPtrs<T>& p, int64_t rows) {
+  return OdeStepBuffers<T>::size(p, ode_tableau(p.method).stages, rows, false) + 2 * rows * p.D;
+}
+
+// The forward over rows [r0, r0 + rows): all S steps, one stage's
+// activations reused.  With all_states, states [S+1, B, D] is stepped
+// through in place; otherwise the state ping-pongs between two buffers of
+// `work` and the last step writes states [1, B, D].
+template <typename T, typename Ops>
+void ode_mlp_forward_rows(const OdeMlpPtrs<T>& p, const Ops& ops, T* states, bool all_states,
+                          int64_t r0, int64_t rows, T* work, const torch::stable::Device& dev) {
+  const int s = ode_tableau(p.method).stages;
+  const int64_t bsize = OdeStepBuffers<T>::size(p, s, rows, false);
+  const OdeStepBuffers<T> buf(p, s, rows, false, work);
+  T* ping[2] = {work + bsize, work + bsize + rows * p.D};
+  const int64_t n = rows * p.D;
+  auto at = [&](int64_t k) { return states + k * p.B * p.D + r0 * p.D; };
+  if (all_states) {
+    ops.copy(at(0), p.x0 + r0 * p.D, n);
+    for (int64_t k = 0; k < p.S; ++k) ode_mlp_step(p, ops, at(k), at(k + 1), r0, rows, k, buf, dev);
+    return;
+  }
+  const T* y = p.x0 + r0 * p.D;
+  for (int64_t k = 0; k < p.S; ++k) {
+    T* y1 = k + 1 == p.S ? at(0) : ping[k % 2];
+    ode_mlp_step(p, ops, y, y1, r0, rows, k, buf, dev);
+    y = y1;
+  }
+  if (p.S == 0) ops.copy(at(0), y, n);
+}
+
 // The gradient outputs of the backward, as raw pointers.
 template <typename T>
 struct OdeMlpGrads {

@@ -257,7 +257,13 @@ def test_subnormal_std_with_a_sample_at_the_mean(device, path, size, where, dtyp
     for name, t in zip(OUT_NAMES, got):
         assert torch.isfinite(t).all(), f"{name}: {int((~torch.isfinite(t)).sum())} non-finite elements"
     exact = reference.importance_sampling(*[a.double() for a in args])
-    assert_outputs_close(got, [t.to(dtype) for t in exact], rtol=1e-4, atol=1e-4)
+    # Within 1e-4 of the float64 evaluation, or twice the float32 reference's
+    # own error where that is larger: at D=1024 a log weight is a difference
+    # of sums of a thousand terms, and float32 rounding alone reaches 1e-4.
+    for name, g, w, e in zip(OUT_NAMES, got, want, exact):
+        err, ref_err = (g.double() - e).abs(), (w.double() - e).abs()
+        bound = 1e-4 + 1e-4 * e.abs() + 2 * ref_err
+        assert (err <= bound).all(), f"{name}: error {float((err - bound).max()):.3g} over its bound"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])

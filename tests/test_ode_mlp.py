@@ -387,13 +387,17 @@ def test_empty_batch_and_single_time(device):
 
 
 # ---------------------------------------------------------------------------
-# CUDA: both forward paths against the CPU in float64, graph capture
+# CUDA: every forward path against the CPU in float64, graph capture
 # ---------------------------------------------------------------------------
+
+_FUSED_SIZES = [(1, 1, [3]), (37, 2, [64, 64, 64]), (1000, 5, [33, 17]), (17, 3, [700, 700])]
+# stepwise applies from 512 rows and 2.5e7 multiply-adds per field evaluation.
+_PATH_SIZES = ([(p, s) for p in ("shared", "general") for s in _FUSED_SIZES]
+               + [("stepwise", (1000, 5, [256, 256])), ("stepwise", (600, 2, [512, 512, 512]))])
 
 
 @requires_cuda
-@pytest.mark.parametrize("path", ["shared", "general"])
-@pytest.mark.parametrize("size", [(1, 1, [3]), (37, 2, [64, 64, 64]), (1000, 5, [33, 17]), (17, 3, [700, 700])])
+@pytest.mark.parametrize("path,size", _PATH_SIZES)
 @pytest.mark.parametrize("method", ["euler", "rk4"])
 def test_cuda_paths_match_cpu(path, size, method):
     B, D, widths = size

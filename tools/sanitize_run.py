@@ -418,6 +418,8 @@ RESAMPLE_CASES = [
 ]
 
 ODE_CASES = [
+    case("stepwise", 520, 3, (256, 256), 2, "rk4", F32, note="cuBLAS products, just above the threshold"),
+    case("stepwise", 512, 2, (256, 256), 1, "midpoint", F64, note="float64"),
     case("shared", 300, 2, (64, 64, 64), 4, "euler", F32, note="torchcfm-like, a ragged last tile"),
     case("shared", 37, 3, (33, 17), 3, "rk4", F32, note="odd widths, four stages"),
     case("shared", 5, 2, (16,), 2, "heun3", F64, note="float64"),

@@ -30,27 +30,8 @@ constexpr int64_t kRowBlock = 64;
 
 template <typename T>
 void run_rows(const OdeMlpPtrs<T>& p, T* states, bool all_states, int64_t r0, int64_t rows) {
-  const cpu::OdeCpuOps<T> ops;
-  const int s = ode_tableau(p.method).stages;
-  const int64_t bsize = OdeStepBuffers<T>::size(p, s, rows, false);
-  std::vector<T> work(size_t(bsize + 2 * rows * p.D));
-  const OdeStepBuffers<T> buf(p, s, rows, false, work.data());
-  T* ping[2] = {work.data() + bsize, work.data() + bsize + rows * p.D};
-  const int64_t n = rows * p.D;
-  const torch::stable::Device dev = cpu_device();
-  auto at = [&](int64_t k) { return states + k * p.B * p.D + r0 * p.D; };
-  if (all_states) {
-    ops.copy(at(0), p.x0 + r0 * p.D, n);
-    for (int64_t k = 0; k < p.S; ++k) ode_mlp_step(p, ops, at(k), at(k + 1), r0, rows, k, buf, dev);
-    return;
-  }
-  const T* y = p.x0 + r0 * p.D;
-  for (int64_t k = 0; k < p.S; ++k) {
-    T* y1 = k + 1 == p.S ? at(0) : ping[k % 2];
-    ode_mlp_step(p, ops, y, y1, r0, rows, k, buf, dev);
-    y = y1;
-  }
-  if (p.S == 0) ops.copy(at(0), y, n);
+  std::vector<T> work(size_t(ode_mlp_forward_work(p, rows)));
+  ode_mlp_forward_rows(p, cpu::OdeCpuOps<T>{}, states, all_states, r0, rows, work.data(), cpu_device());
 }
 
 // torchdiffeq refuses a grid that is not strictly monotone; the CPU kernel

@@ -1,9 +1,11 @@
 // \brief fused_ops::ode_mlp on CUDA: the entry point, its argument checks and
 // the path table that chooses the kernel (csrc/ode_mlp.h for the math).
 //
-// Both paths run cuda/ode_mlp/general.cu's fused kernel (all steps, stages
-// and layers in one launch, a block per 16-row tile); they differ in where a
-// tile's activations live.  Tests force a path with
+// "stepwise" runs the step sequence of csrc/ode_mlp_core.h with cuBLAS
+// products over the whole batch (cuda/ode_mlp/stepwise.cu); "shared" and
+// "general" run cuda/ode_mlp/general.cu's fused kernel (all steps, stages and
+// layers in one launch, a block per 16-row tile) and differ in where a tile's
+// activations live.  Tests force a path with
 // fused_ops._paths.force("ode_mlp", name) or FUSED_OPS_FORCE_PATH=ode_mlp=<name>.
 // No value of t_grid is checked here (that would cost a host
 // synchronisation): fused_ops.odeint_mlp checks the grid.
@@ -20,9 +22,12 @@ namespace {
 
 namespace op = ode_mlp_paths;
 
-const dispatch::PathTable<OdeMlpCall, 2> kOdeMlpPaths(
+const dispatch::PathTable<OdeMlpCall, 3> kOdeMlpPaths(
     "ode_mlp", "cuda",
     {{
+        {"stepwise", "B >= 512 and B * (multiply-adds of one field evaluation) >= 2.5e7",
+         "large batches of wide layers: one cuBLAS product per layer and stage over all rows",
+         op::stepwise_applies, op::launch_stepwise},
         {"shared", "a 16-row tile's working set 16 (D (stages + 2) + 2 Hmax) fits shared memory",
          "activations on chip across all steps and stages, one launch", op::shared_applies,
          op::launch_shared},
