@@ -9,6 +9,7 @@ the table refuses at a size is left blank.
 """
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -68,11 +69,15 @@ def main(argv=None) -> int:
             cells = "  ".join(f"{p} {row[p]:10.1f}" if row[p] else f"{p} {'-':>10}" for p in PATHS)
             print(f"H={width:4d} L={depth} B={B:6d} macs={B * macs:.2e}  {cells}  natural {natural}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "D": D, "steps": steps,
-            "method": "midpoint", "activation": "silu", "dtype": "float32"}
+    from bench.report import git_state
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "git_commit": git_state()[0],
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "D": D,
+            "steps": steps, "method": "midpoint", "activation": "silu", "dtype": "float32"}
     (args.out / "ode-path-sweep.json").write_text(json.dumps({"metadata": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# ode_mlp CUDA forward paths, forced: {meta['device']}", "",
-             f"torch {meta['torch']}; D=2, midpoint, 20 steps, SiLU, float32; median us per call.", "",
+             f"torch {meta['torch']}, commit {meta['git_commit']}, {meta['date_utc']}; D=2, midpoint, 20 steps, "
+             "SiLU, float32; median us per call.", "",
              "| width | Linear layers | B | multiply-adds per evaluation | " + " | ".join(PATHS) + " | natural |",
              "|---:|---:|---:|---:|" + "---:|" * len(PATHS) + "---|"]
     for r in rows:

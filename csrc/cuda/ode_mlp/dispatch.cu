@@ -25,8 +25,8 @@ namespace op = ode_mlp_paths;
 const dispatch::PathTable<OdeMlpCall, 3> kOdeMlpPaths(
     "ode_mlp", "cuda",
     {{
-        {"stepwise", "B >= 512 and B * (multiply-adds of one field evaluation) >= 2.5e7",
-         "large batches of wide layers: one cuBLAS product per layer and stage over all rows",
+        {"stepwise", "B >= 512 and (a row's field evaluation >= 6e4 multiply-adds or B >= 16384)",
+         "wide layers or many rows: one cuBLAS product per layer and stage over all rows",
          op::stepwise_applies, op::launch_stepwise},
         {"shared", "a 16-row tile's working set 16 (D (stages + 2) + 2 Hmax) fits shared memory",
          "activations on chip across all steps and stages, one launch", op::shared_applies,

@@ -7,11 +7,19 @@
 namespace fused_ops {
 namespace ode_mlp_paths {
 
-// stepwise: at least this many rows and multiply-adds per evaluation of the
-// field over the batch (below, launches and small products cost more than the
-// fused kernel's single launch).
+// stepwise: from kStepwiseMinRows rows, when a row's evaluation of the field
+// takes at least kStepwiseWideMacs multiply-adds (a 256 x 256 hidden layer),
+// or from kStepwiseManyRows rows at any width.  Below, the fused kernel's one
+// launch beats the products' launches: its tiles all run in one wave, so its
+// time hardly grows with B until the grid passes a few waves (16 rows per
+// block), while the products cost a launch each.  Measured crossovers (H200,
+// D=2, midpoint, 20 steps: tools/ode_path_sweep.py,
+// bench/results/nvidia-h200-ode-path-sweep.md): widths 256 and 512 favour
+// stepwise from 512 rows (1.8-10x); widths 64 and 128 favour the fused
+// kernel up to 4096 rows and stepwise from 16384 (1.5-4x).
 constexpr int64_t kStepwiseMinRows = 512;
-constexpr double kStepwiseMinMacs = 2.5e7;
+constexpr int64_t kStepwiseManyRows = 16384;
+constexpr double kStepwiseWideMacs = 6e4;
 
 bool stepwise_applies(const OdeMlpCall& c);
 void launch_stepwise(const OdeMlpCall& c);  // cuBLAS products over the batch, float32 and float64

@@ -2,7 +2,8 @@
 // over the whole batch, its products cuBLAS calls (common/matmul.h, torch's
 // current stream), its elementwise work the kernels of cuda/ode_mlp/ops.cuh.
 //
-// When chosen: large batches of wide layers (paths.cuh: stepwise_applies),
+// When chosen: wide layers from 512 rows, any layers from 16384 rows
+// (paths.cuh: stepwise_applies, with the measured crossovers),
 // where one cuBLAS product per layer and stage over all B rows runs the
 // hidden layers far faster than the fused kernel's one dot product per
 // thread, and the launches (about stages (2 L + 1) + 1 per step) cost little
@@ -22,10 +23,10 @@ namespace fused_ops {
 namespace ode_mlp_paths {
 
 bool stepwise_applies(const OdeMlpCall& c) {
-  // Multiply-adds of one evaluation of the field over the batch.
+  // Multiply-adds of one row's evaluation of the field (the time column is a bias).
   double macs = 0;
   for (int64_t l = 0; l < c.L; ++l) macs += double(c.widths[l]) * double(l ? c.widths[l - 1] : c.D);
-  return c.B >= kStepwiseMinRows && double(c.B) * macs >= kStepwiseMinMacs;
+  return c.B >= kStepwiseMinRows && (macs >= kStepwiseWideMacs || c.B >= kStepwiseManyRows);
 }
 
 void launch_stepwise(const OdeMlpCall& c) {
