@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace fused_ops {
 
@@ -101,6 +102,25 @@ C10_HOST_DEVICE inline T activate_grad(int64_t act, T p, T a) {
       const T s = sigmoid_of(a);
       return s * (T(1) - s);
     }
+  }
+}
+
+// Host loops: f(std::integral_constant<int64_t, code>{}) for the runtime code
+// `act`, so that a loop calling activate / activate_grad with the constant
+// sees its switch folded away (ReLU and LeakyReLU then vectorise).
+template <typename F>
+inline void with_activation(int64_t act, F&& f) {
+  switch (act) {
+    case kActSiLU: return f(std::integral_constant<int64_t, kActSiLU>{});
+    case kActReLU: return f(std::integral_constant<int64_t, kActReLU>{});
+    case kActLeakyReLU: return f(std::integral_constant<int64_t, kActLeakyReLU>{});
+    case kActELU: return f(std::integral_constant<int64_t, kActELU>{});
+    case kActSELU: return f(std::integral_constant<int64_t, kActSELU>{});
+    case kActGELU: return f(std::integral_constant<int64_t, kActGELU>{});
+    case kActGELUTanh: return f(std::integral_constant<int64_t, kActGELUTanh>{});
+    case kActSoftplus: return f(std::integral_constant<int64_t, kActSoftplus>{});
+    case kActTanh: return f(std::integral_constant<int64_t, kActTanh>{});
+    default: return f(std::integral_constant<int64_t, kActSigmoid>{});
   }
 }
 

@@ -49,20 +49,22 @@ struct OdeCpuOps {
 
   void bias_act(T* A, T* H, const T* cb, const T* rb, int64_t rows, int64_t cols, int64_t act,
                 T p) const {
-    for (int64_t r = 0; r < rows; ++r) {
-      T* a = A + r * cols;
-      const T* rr = rb ? rb + r * cols : nullptr;
-      if (!H) {
-        for (int64_t j = 0; j < cols; ++j) a[j] = rr ? a[j] + cb[j] + rr[j] : a[j] + cb[j];
-        continue;
+    // The activation a constant and the row bias hoisted out of the element
+    // loops, so that they vectorise where the activation allows.
+    with_activation(act, [&](auto code) {
+      for (int64_t r = 0; r < rows; ++r) {
+        T* a = A + r * cols;
+        if (rb) {
+          const T* rr = rb + r * cols;
+          for (int64_t j = 0; j < cols; ++j) a[j] = a[j] + cb[j] + rr[j];
+        } else {
+          for (int64_t j = 0; j < cols; ++j) a[j] = a[j] + cb[j];
+        }
+        if (!H) continue;
+        T* h = H + r * cols;
+        for (int64_t j = 0; j < cols; ++j) h[j] = activate(code.value, p, a[j]);
       }
-      T* h = H + r * cols;
-      for (int64_t j = 0; j < cols; ++j) {
-        const T z = rr ? a[j] + cb[j] + rr[j] : a[j] + cb[j];
-        a[j] = z;
-        h[j] = activate(act, p, z);
-      }
-    }
+    });
   }
 
   void kbar(T* G, const T* g, const T* Ybar, int64_t n, const T* t, int64_t k, int64_t method,
@@ -79,7 +81,9 @@ struct OdeCpuOps {
   }
 
   void act_grad(T* G, const T* A, int64_t n, int64_t act, T p) const {
-    for (int64_t x = 0; x < n; ++x) G[x] *= activate_grad(act, p, A[x]);
+    with_activation(act, [&](auto code) {
+      for (int64_t x = 0; x < n; ++x) G[x] *= activate_grad(code.value, p, A[x]);
+    });
   }
 
   void add(T* dst, const T* src, int64_t n) const {
