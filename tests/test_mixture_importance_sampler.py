@@ -140,9 +140,9 @@ def test_evidence_maximisation_fits_the_proposal_to_the_target():
     # component starts 2.5 away from a target component, std 1.  50 Adam
     # steps on -log_evidence of 16 fresh proposal draws, the proposal's means
     # and stds trained (its weights kept: sample's component choice gives
-    # them no gradient, see MixtureImportanceSampler.sample).  Deterministic
-    # (its own generators; the margins hold for every one of ten generator
-    # seeds tried): the expected log evidence of 16 draws rises towards 0,
+    # them no gradient, see MixtureImportanceSampler.sample; docs/
+    # importance_sampling.md on this set-up).  Deterministic (its own
+    # generators): the expected log evidence of 16 draws rises towards 0,
     # its value for q = p, and KL(p || q), estimated on 4000 draws of the
     # target, falls.
     g = torch.Generator().manual_seed(0)
