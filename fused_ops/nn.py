@@ -18,7 +18,7 @@ from torch import nn
 from . import _eager, _vae_layouts, ops, reference
 from ._ode_sampler import ODESampler
 
-__all__ = ["ImportanceSampler", "FlowODE", "VAE", "ODESampler", "convert"]
+__all__ = ["ImportanceSampler", "MixtureImportanceSampler", "FlowODE", "VAE", "ODESampler", "convert"]
 
 
 # The fused modules' forwards read their submodules and parameters from the
@@ -138,6 +138,209 @@ class ImportanceSampler(reference.ImportanceSampler):
             fused.register_buffer(name, getattr(module, name))
         fused.train(module.training)
         return fused
+
+
+def _positive_int(value, name):
+    """``value`` if it is a positive int (not a bool), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class MixtureImportanceSampler(nn.Module):
+    r"""A trainable importance sampler: diagonal Gaussian-mixture target ``p``
+    and proposal ``q`` (``Kq`` components), ``batch_shape`` independent
+    problems, one fused :func:`fused_ops.importance_sampling` call per forward.
+
+    Parameters (buffers with ``trainable=False``), in this order::
+
+        logits     [*batch, K]      target weights  softmax(logits)
+        mus        [*batch, K, D]   target means
+        log_stds   [*batch, K, D]   target stds     exp(log_stds)
+        q_logits   [*batch, Kq]     proposal weights softmax(q_logits)
+        q_mus      [*batch, Kq, D]  proposal means
+        q_log_stds [*batch, Kq, D]  proposal stds   exp(q_log_stds)
+
+    Initialisation: uniform weights (logits zero), target means drawn from
+    ``N(0, 2^2)`` and unit stds (as :class:`ImportanceSampler`); proposal
+    means drawn from ``N(0, 0.5^2)`` and stds 3, a broad proposal covering
+    such a target.  The proposal's means are drawn, not zero, because
+    components equal in every parameter receive equal density gradients.
+
+    ``forward(samples [*batch, N, D]) -> (weighted_mean [*batch, D],
+    ess [*batch], log_weights [*batch, N], log_evidence [*batch])``, the op's
+    batched outputs (``log_weights`` normalised,
+    ``log_evidence = logsumexp(log p - log q) - log N``).  The op takes
+    ``log w`` of the weights it is given as they are, without normalising
+    them (as :func:`fused_ops.reference.importance_sampling` does), so
+    unnormalised weights would leave the normalised log weights, mean and
+    ESS unchanged but shift the evidence by ``log sum w``; the module passes
+    ``softmax(logits)`` and ``softmax(q_logits)``, normalised, so ``p`` and
+    ``q`` are densities and ``log_evidence`` estimates ``log`` of ``p``'s
+    integral, 0.  For samples drawn from ``q`` its expectation is at most 0
+    (Jensen), equal only when ``q = p``: maximising it (an
+    importance-weighted bound) fits the proposal to the target.  A logit
+    more than about 100 (float32; 740 in float64) below its problem's
+    largest gives a weight of 0, a component that no longer counts.
+
+    The proposal is always passed in the mixture form (``q_weights``), also
+    for ``Kq = 1``: ``importance_sampling`` turns a Gaussian proposal into
+    one component of weight 1 and runs the same two kernels
+    (``importance_log_weights``, ``snis``), and ``softmax`` of one logit is
+    exactly 1, so both forms give the same values; the mixture form costs one
+    ``softmax`` of ``[*batch, 1]`` (and its backward) more and gives
+    ``q_logits`` a gradient (exactly zero) like every other parameter.
+
+    :meth:`sample` draws from the proposal, reparameterised; see there.
+    :meth:`from_distributions` copies torch.distributions objects.
+    """
+
+    _names = ("logits", "mus", "log_stds", "q_logits", "q_mus", "q_log_stds")
+
+    def __init__(self, num_components, dim, proposal_components=1, batch_shape=(), *, trainable=True):
+        super().__init__()
+        k = _positive_int(num_components, "num_components")
+        d = _positive_int(dim, "dim")
+        kq = _positive_int(proposal_components, "proposal_components")
+        if isinstance(batch_shape, int) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                                   for s in _iter_or_none(batch_shape)):
+            raise ValueError(f"batch_shape must be a tuple of positive ints (the independent problems), "
+                             f"got {batch_shape!r}")
+        if not isinstance(trainable, bool):
+            raise ValueError(f"trainable must be a bool, got {trainable!r}")
+        b = tuple(batch_shape)
+        self._set_tensors(trainable, (
+            torch.zeros(*b, k), torch.randn(*b, k, d) * 2.0, torch.zeros(*b, k, d),
+            torch.zeros(*b, kq), torch.randn(*b, kq, d) * 0.5, torch.full((*b, kq, d), math.log(3.0))))
+
+    def _set_tensors(self, trainable, tensors):
+        for name, t in zip(self._names, tensors):
+            if trainable:
+                self.register_parameter(name, nn.Parameter(t))
+            else:
+                self.register_buffer(name, t)
+        self.trainable = trainable
+        self._table = "_parameters" if trainable else "_buffers"
+        self.num_components, self.dim = tensors[1].shape[-2:]
+        self.proposal_components = tensors[3].shape[-1]
+        self.batch_shape = tuple(tensors[0].shape[:-1])
+
+    def _tensors(self):
+        table = self._table
+        return [_entry(self, table, name) for name in self._names]
+
+    def forward(self, samples):
+        logits, mus, log_stds, q_logits, q_mus, q_log_stds = self._tensors()
+        self._check_samples(samples)
+        return ops.importance_sampling(
+            samples, torch.softmax(logits, -1), mus, log_stds.exp(), q_mus, q_log_stds.exp(),
+            q_weights=torch.softmax(q_logits, -1), return_evidence=True)
+
+    def _check_samples(self, samples):
+        batch, d = self.batch_shape, self.dim
+        if (not isinstance(samples, torch.Tensor) or samples.dim() != len(batch) + 2
+                or tuple(samples.shape[:-2]) != batch or samples.shape[-1] != d):
+            got = f"shape {list(samples.shape)}" if isinstance(samples, torch.Tensor) else type(samples).__name__
+            raise ValueError(f"samples must be [*batch_shape, N, D] = {[*batch, 'N', d]} (batch_shape {batch}, "
+                             f"dim {d}), got {got}")
+
+    def sample(self, n, generator=None):
+        """``n`` draws of each problem's proposal, ``[*batch, n, D]``:
+        ``x = q_mus[c] + exp(q_log_stds[c]) * eps`` with ``eps ~ N(0, I)``
+        (``torch.randn``) and the component ``c`` drawn by
+        ``torch.multinomial`` from ``softmax(q_logits)`` (no draw for
+        ``Kq = 1``); both from ``generator`` when given.  Reparameterised:
+        gradients reach ``q_mus`` and ``q_log_stds``.  The choice of ``c`` is
+        not differentiable: ``q_logits`` get no gradient through the draw,
+        only through ``q``'s density in :meth:`forward`, so their gradient
+        of a loss of these samples lacks the score-function term of the
+        choice and is biased (maximising the evidence with it moves weight
+        away from the components that draw the large weights).  Fit the
+        proposal's means and stds this way and keep ``q_logits`` fixed, or
+        add that term yourself."""
+        n = _positive_int(n, "n")
+        _, _, _, q_logits, q_mus, q_log_stds = self._tensors()
+        batch, kq, d = self.batch_shape, self.proposal_components, self.dim
+        eps = torch.randn(*batch, n, d, generator=generator, dtype=q_mus.dtype, device=q_mus.device)
+        if kq == 1:
+            return q_mus + q_log_stds.exp() * eps
+        b = math.prod(batch)
+        probs = torch.softmax(q_logits.detach().reshape(b, kq), -1)
+        comp = torch.multinomial(probs, n, replacement=True, generator=generator)[..., None].expand(b, n, d)
+        mu = q_mus.reshape(b, kq, d).gather(1, comp).reshape(*batch, n, d)
+        log_std = q_log_stds.reshape(b, kq, d).gather(1, comp).reshape(*batch, n, d)
+        return mu + log_std.exp() * eps
+
+    def extra_repr(self):
+        return (f"num_components={self.num_components}, dim={self.dim}, "
+                f"proposal_components={self.proposal_components}, batch_shape={self.batch_shape}, "
+                f"trainable={self.trainable}")
+
+    @classmethod
+    def from_distributions(cls, target, proposal, *, trainable=True):
+        """A module holding copies of the parameters of ``target``, a
+        ``MixtureSameFamily(Categorical, Independent(Normal, 1))``, and
+        ``proposal``, one of those or an ``Independent(Normal, 1)`` (then
+        ``Kq = 1``, ``q_logits`` zero).  ``logits`` are the Categoricals'
+        (normalised) logits, ``log_stds`` the Normals' ``log(scale)``;
+        ``batch_shape`` is the two distributions' batch shapes broadcast,
+        dtype and device the target's (the proposal's must agree)."""
+        import torch.distributions as dist
+
+        logits, mus, stds = _mixture_parts(target, "target", dist)
+        if isinstance(proposal, dist.Independent):
+            q_mus, q_stds = _normal_parts(proposal, "proposal", dist)
+            q_mus, q_stds = q_mus[..., None, :], q_stds[..., None, :]
+            q_logits = q_mus.new_zeros(q_mus.shape[:-1])
+        else:
+            q_logits, q_mus, q_stds = _mixture_parts(proposal, "proposal", dist)
+        if q_mus.shape[-1] != mus.shape[-1]:
+            raise ValueError(f"proposal's event shape [{q_mus.shape[-1]}] differs from target's [{mus.shape[-1]}]")
+        if (q_mus.dtype, q_mus.device) != (mus.dtype, mus.device):
+            raise ValueError(f"proposal's parameters are {q_mus.dtype} on {q_mus.device}, target's "
+                             f"{mus.dtype} on {mus.device}: they must agree")
+        try:
+            batch = torch.broadcast_shapes(mus.shape[:-2], q_mus.shape[:-2])
+        except RuntimeError:
+            raise ValueError(f"proposal's batch shape {list(q_mus.shape[:-2])} does not broadcast with target's "
+                             f"{list(mus.shape[:-2])}") from None
+        parts = [(logits, 1), (mus, 2), (stds.log(), 2), (q_logits, 1), (q_mus, 2), (q_stds.log(), 2)]
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._set_tensors(trainable, [t.detach().expand(*batch, *t.shape[t.dim() - r:]).clone() for t, r in parts])
+        return module
+
+
+def _iter_or_none(value):
+    """``value``'s items, or ``[None]`` (a failing item) when it is not iterable."""
+    try:
+        return list(value)
+    except TypeError:
+        return [None]
+
+
+def _normal_parts(d, name, dist):
+    """``(loc [..., D], scale [..., D])`` of an ``Independent(Normal, 1)``."""
+    if (not isinstance(d, dist.Independent) or not isinstance(d.base_dist, dist.Normal)
+            or d.reinterpreted_batch_ndims != 1):
+        raise ValueError(f"{name} must be an Independent(Normal, 1) (a diagonal Gaussian), got {d!r}")
+    return d.base_dist.loc, d.base_dist.scale
+
+
+def _mixture_parts(d, name, dist):
+    """``(logits [..., K], mus [..., K, D], stds [..., K, D])`` of a
+    ``MixtureSameFamily(Categorical, Independent(Normal, 1))``, at its batch shape."""
+    if not (isinstance(d, dist.MixtureSameFamily) and isinstance(d.mixture_distribution, dist.Categorical)
+            and isinstance(d.component_distribution, dist.Independent)
+            and isinstance(d.component_distribution.base_dist, dist.Normal)
+            and d.component_distribution.reinterpreted_batch_ndims == 1):
+        raise ValueError(f"{name} must be a MixtureSameFamily(Categorical, Independent(Normal, 1)) "
+                         f"(a diagonal Gaussian mixture), got {d!r}")
+    mus, stds = _normal_parts(d.component_distribution, name, dist)
+    k, dim = mus.shape[-2:]
+    batch = tuple(d.batch_shape)
+    return (d.mixture_distribution.logits.expand(*batch, k), mus.expand(*batch, k, dim),
+            stds.expand(*batch, k, dim))
 
 
 class FlowODE(reference.FlowODE):
