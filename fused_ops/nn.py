@@ -18,7 +18,7 @@ from torch import nn
 from . import _eager, _vae_layouts, ops, reference
 from ._ode_sampler import ODESampler
 
-__all__ = ["ImportanceSampler", "MixtureImportanceSampler", "FlowODE", "VAE", "ODESampler", "convert"]
+__all__ = ["ImportanceSampler", "MixtureImportanceSampler", "SNIS", "FlowODE", "VAE", "ODESampler", "convert"]
 
 
 # The fused modules' forwards read their submodules and parameters from the
