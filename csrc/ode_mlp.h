@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/activation_checks.h"
 #include "common/activations.h"
 #include "common/checks.h"
 
@@ -77,9 +78,7 @@ struct OdeMlpInputs {
                double act_param_) {
     FUSED_OPS_CHECK(method_ >= 0 && method_ < kNumOdeMethods,
                     "method must be 0 .. 4 (euler, midpoint, heun2, heun3, rk4), got ", method_);
-    FUSED_OPS_CHECK(act_ >= 0 && act_ < kNumActs,
-                    "activation must be 0 .. 9 (silu, relu, leaky_relu, elu, selu, gelu, gelu_tanh, "
-                    "softplus, tanh, sigmoid), got ", act_);
+    check_activation_code(act_);
     check_rank(x0_, "x0", 2, "[B, D]");
     check_rank(t_grid_, "t_grid", 1, "[num_steps + 1]");
     // None in a list reads as an undefined tensor, which check_rank names.

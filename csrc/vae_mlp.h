@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "common/activation_checks.h"
 #include "common/activations.h"
 #include "common/checks.h"
 #include "common/likelihood.h"
@@ -66,9 +67,7 @@ struct VaeMlpInputs {
                const VaeOptTensors& dec_w_, const VaeOptTensors& dec_b_,
                const std::optional<Tensor>& dec_logvar_, int64_t act_, double act_param_,
                int64_t likelihood_) {
-    FUSED_OPS_CHECK(act_ >= 0 && act_ < kNumActs,
-                    "activation must be 0 .. 9 (silu, relu, leaky_relu, elu, selu, gelu, gelu_tanh, "
-                    "softplus, tanh, sigmoid), got ", act_);
+    check_activation_code(act_);
     FUSED_OPS_CHECK(likelihood_ >= 0 && likelihood_ < kNumVaeLikelihoods,
                     "likelihood must be 0 (Bernoulli), 1 (Bernoulli from logits), 2 (Gaussian, mean "
                     "sigmoid(logits)) or 3 (Gaussian, mean = logits), got ", likelihood_);

@@ -383,12 +383,17 @@ def ode_mlp(x0: Tensor, t_grid: Tensor, weights: list, biases: list, time_bias: 
     return _dtypes.from_compute_dtype(states, out_dtype)
 
 
-def _check_args(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation):
-    """csrc/ode_mlp.h's OdeMlpInputs checks, in its order and with its messages."""
-    check((method >= 0) & (method < 5), "method must be 0 .. 4 (euler, midpoint, heun2, heun3, rk4), got ", method)
+def check_activation_code(activation):
+    """csrc/common/activation_checks.h's check of an activation code, with its message."""
     check((activation >= 0) & (activation < 10),
           "activation must be 0 .. 9 (silu, relu, leaky_relu, elu, selu, gelu, gelu_tanh, softplus, tanh, sigmoid), "
           "got ", activation)
+
+
+def _check_args(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation):
+    """csrc/ode_mlp.h's OdeMlpInputs checks, in its order and with its messages."""
+    check((method >= 0) & (method < 5), "method must be 0 .. 4 (euler, midpoint, heun2, heun3, rk4), got ", method)
+    check_activation_code(activation)
     check_rank(x0, "x0", 2, "[B, D]")
     check_rank(t_grid, "t_grid", 1, "[num_steps + 1]")
     (b, d), steps = x0.shape, t_grid.shape[0] - 1

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
-from ._ode import _TORCH_ACTS_BY_CODE, _act
+from ._ode import _TORCH_ACTS_BY_CODE, _act, check_activation_code
 from ._vae_elbo import LIKELIHOODS, likelihood_code
 
 __all__ = ["vae_mlp_elbo", "MAX_HIDDEN"]
@@ -155,9 +155,7 @@ def _chain(ws, bs, net, width, in_what):
 
 def _check_args(x, eps, ew, eb, wh, bh, dw, db, dec_logvar, activation, likelihood):
     """csrc/vae_mlp.h's VaeMlpInputs checks, in its order and with its messages; returns ``(B, I, L)``."""
-    check((activation >= 0) & (activation < 10),
-          "activation must be 0 .. 9 (silu, relu, leaky_relu, elu, selu, gelu, gelu_tanh, softplus, tanh, sigmoid), "
-          "got ", activation)
+    check_activation_code(activation)
     check((likelihood >= 0) & (likelihood < len(LIKELIHOODS)), "likelihood must be 0 (Bernoulli), 1 (Bernoulli ",
           "from logits), 2 (Gaussian, mean sigmoid(logits)) or 3 (Gaussian, mean = logits), got ", likelihood)
     check_rank(x, "x", 2, "[B, I]")
