@@ -29,6 +29,17 @@ EXAMPLES_LAYERS = ("fc1", "fc21", "fc22", "fc3", "fc4")
 _EXAMPLES_ACTIVATIONS = (nn.ReLU, nn.Sigmoid)
 
 
+def _flatten_prefix(enc):
+    """1 when the encoder's layers start with ``nn.Flatten(start_dim=1)`` (the
+    input ``[B, ...]`` flattened as the first Linear expects), else 0; any
+    other Flatten there raises, naming it."""
+    if enc and type(enc[0]) is nn.Flatten:
+        if (enc[0].start_dim, enc[0].end_dim) != (1, -1):
+            raise ValueError(f"encoder[0] must be Flatten(start_dim=1, end_dim=-1), got {enc[0]}")
+        return 1
+    return 0
+
+
 def check_linear(layer, name, shape, what):
     """``layer`` is an ``nn.Linear`` with a bias whose weight is ``shape``
     (``(out_features, in_features)``); ``what`` says where the sizes come from."""
@@ -63,11 +74,7 @@ def from_modules_paths(encoder, fc_mu, fc_logvar, decoder):
             f"decoder must be nn.Sequential(Linear(L, H), ReLU(), Linear(H, I)[, Sigmoid()]), "
             f"got {type(decoder).__name__}")
     enc = list(encoder)
-    first = 0
-    if enc and type(enc[0]) is nn.Flatten:
-        if (enc[0].start_dim, enc[0].end_dim) != (1, -1):
-            raise ValueError(f"encoder[0] must be Flatten(start_dim=1, end_dim=-1), got {enc[0]}")
-        first = 1
+    first = _flatten_prefix(enc)
     if len(enc) - first != 2:
         raise ValueError(
             f"encoder must hold Linear(I, H) and ReLU() (one hidden layer, the fused kernels' depth), "
@@ -205,11 +212,7 @@ def mlp_layout(encoder, fc_mu, fc_logvar, decoder):
         raise ValueError(f"decoder must be nn.Sequential(Linear, activation, ..., Linear[, Sigmoid()]), "
                          f"got {type(decoder).__name__}")
     enc = list(encoder)
-    first = 0
-    if enc and type(enc[0]) is nn.Flatten:
-        if (enc[0].start_dim, enc[0].end_dim) != (1, -1):
-            raise ValueError(f"encoder[0] must be Flatten(start_dim=1, end_dim=-1), got {enc[0]}")
-        first = 1
+    first = _flatten_prefix(enc)
     body = enc[first:]
     if len(body) % 2 or not 1 <= len(body) // 2 <= MAX_HIDDEN:
         raise ValueError(f"encoder must hold 1 to {MAX_HIDDEN} (Linear, activation) pairs after the optional "

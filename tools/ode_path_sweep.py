@@ -60,7 +60,6 @@ def main(argv=None) -> int:
                     row[path] = m.median * 1e6
                 except RuntimeError:
                     row[path] = None
-            natural = None
             with torch.no_grad():
                 fused_ops.odeint_mlp(x0, t, ws, bs, method="midpoint", activation="silu")
                 natural = _paths.last("ode_mlp")
