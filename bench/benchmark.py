@@ -230,7 +230,8 @@ def run_case(
     else:
         builders = variant_builders(workload, reference, device, use_compile, fused_ok)
         context = torch.no_grad()
-        check = {}
+        check = {} if workload.tolerance is None else {"tolerance": workload.tolerance}
+    exact = workload.exact(reference, inputs) if workload.exact is not None and not train else None
     expected: Optional[Tuple[torch.Tensor, ...]] = None
     with context:
         for name, build, skip_reason in builders:
@@ -246,9 +247,14 @@ def run_case(
                 paths = kernel_paths(workload, device, train)
                 if paths:
                     result["kernel_paths"] = paths
+            if exact is not None and outputs is not None:
+                result["err_vs_float64"] = [(o.double() - e.to(o.device)).abs().max().item()
+                                            for o, e in zip(as_tuple(outputs), exact)]
             row["variants"][name] = result
             if result["status"] == "ok":
-                print(f"    {name:<12} {format_us(result['median_us']):>10} us", flush=True)
+                errs = result.get("err_vs_float64")
+                note = "  (err vs float64: " + ", ".join(f"{e:.3g}" for e in errs) + ")" if errs else ""
+                print(f"    {name:<12} {format_us(result['median_us']):>10} us{note}", flush=True)
             free_memory(device)
 
     fused_res = row["variants"].get(FUSED, {})
@@ -258,7 +264,7 @@ def run_case(
               flush=True)
     row["match"] = row["variants"][FUSED].get("match")
     row["speedup"] = speedups(row)
-    del reference, inputs, expected
+    del reference, inputs, expected, exact
     free_memory(device)
     return row
 

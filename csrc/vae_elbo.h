@@ -24,7 +24,8 @@ inline VaeElboSizes check_vae_elbo_args(const Tensor& x, const Tensor& eps,
                                         const Tensor& w_mu, const Tensor& b_mu,
                                         const Tensor& w_logvar, const Tensor& b_logvar,
                                         const Tensor& w_dec1, const Tensor& b_dec1,
-                                        const Tensor& w_dec2, const Tensor& b_dec2) {
+                                        const Tensor& w_dec2, const Tensor& b_dec2,
+                                        bool allow_bfloat16 = false) {
   check_rank(x, "x", 2, "[B, I]");
   check_rank(eps, "eps", 2, "[B, L]");
   check_rank(w_enc, "w_enc", 2, "[H, I]");
@@ -69,7 +70,8 @@ inline VaeElboSizes check_vae_elbo_args(const Tensor& x, const Tensor& eps,
                                      {w_dec1, "w_dec1"},
                                      {b_dec1, "b_dec1"},
                                      {w_dec2, "w_dec2"},
-                                     {b_dec2, "b_dec2"}});
+                                     {b_dec2, "b_dec2"}},
+                                    allow_bfloat16);
   return {B, I, H, L};
 }
 
@@ -85,7 +87,8 @@ inline int64_t check_vae_likelihood(int64_t likelihood) {
 }
 
 // One call's checked sizes and contiguous inputs: what the forward and the
-// backward wrappers (vae_elbo_backward.h) both start from.
+// backward wrappers (vae_elbo_backward.h) both start from.  allow_bfloat16:
+// the CUDA forward's bfloat16 path (all inputs bfloat16, outputs too).
 struct VaeElboInputs {
   int64_t B, I, H, L;
   int64_t likelihood = kBernoulli;  // set by the wrappers (check_vae_likelihood)
@@ -94,9 +97,10 @@ struct VaeElboInputs {
   VaeElboInputs(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_, const Tensor& b_enc_,
                 const Tensor& w_mu_, const Tensor& b_mu_, const Tensor& w_logvar_,
                 const Tensor& b_logvar_, const Tensor& w_dec1_, const Tensor& b_dec1_,
-                const Tensor& w_dec2_, const Tensor& b_dec2_) {
+                const Tensor& w_dec2_, const Tensor& b_dec2_, bool allow_bfloat16 = false) {
     const auto s = check_vae_elbo_args(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_,
-                                       b_logvar_, w_dec1_, b_dec1_, w_dec2_, b_dec2_);
+                                       b_logvar_, w_dec1_, b_dec1_, w_dec2_, b_dec2_,
+                                       allow_bfloat16);
     B = s.B, I = s.I, H = s.H, L = s.L;
     x = as_contiguous(x_);
     eps = as_contiguous(eps_);
@@ -120,9 +124,9 @@ struct VaeElboCall : VaeElboInputs {
   VaeElboCall(const Tensor& x_, const Tensor& eps_, const Tensor& w_enc_, const Tensor& b_enc_,
               const Tensor& w_mu_, const Tensor& b_mu_, const Tensor& w_logvar_,
               const Tensor& b_logvar_, const Tensor& w_dec1_, const Tensor& b_dec1_,
-              const Tensor& w_dec2_, const Tensor& b_dec2_)
+              const Tensor& w_dec2_, const Tensor& b_dec2_, bool allow_bfloat16 = false)
       : VaeElboInputs(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_, b_logvar_, w_dec1_,
-                      b_dec1_, w_dec2_, b_dec2_) {
+                      b_dec1_, w_dec2_, b_dec2_, allow_bfloat16) {
     elbo = empty_like_device(x_, {B});
     recon = empty_like_device(x_, {B});
     kl = empty_like_device(x_, {B});

@@ -10,6 +10,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "vae_elbo.h"
 
@@ -20,6 +21,8 @@ using VaeElboBackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor,
 
 // One backward call: the forward's checked, contiguous inputs, contiguous
 // upstream gradients (nullopt where None) and freshly allocated gradient outputs.
+// allow_bfloat16: vae_elbo_backward's checks, whose messages name bfloat16
+// too (its bfloat16 calls are cast to float32 before they get here).
 struct VaeElboBackwardCall : VaeElboInputs {
   std::optional<Tensor> g_elbo, g_recon, g_kl;
   Tensor gx, geps, gw_enc, gb_enc, gw_mu, gb_mu, gw_logvar, gb_logvar, gw_dec1, gb_dec1, gw_dec2,
@@ -31,9 +34,9 @@ struct VaeElboBackwardCall : VaeElboInputs {
                       const Tensor& w_enc_, const Tensor& b_enc_, const Tensor& w_mu_,
                       const Tensor& b_mu_, const Tensor& w_logvar_, const Tensor& b_logvar_,
                       const Tensor& w_dec1_, const Tensor& b_dec1_, const Tensor& w_dec2_,
-                      const Tensor& b_dec2_, bool with_grad_x = true)
+                      const Tensor& b_dec2_, bool with_grad_x = true, bool allow_bfloat16 = false)
       : VaeElboInputs(x_, eps_, w_enc_, b_enc_, w_mu_, b_mu_, w_logvar_, b_logvar_, w_dec1_,
-                      b_dec1_, w_dec2_, b_dec2_) {
+                      b_dec1_, w_dec2_, b_dec2_, allow_bfloat16) {
     auto grad = [&](const std::optional<Tensor>& g, const char* name) -> std::optional<Tensor> {
       if (!g.has_value()) return std::nullopt;
       check_rank(*g, name, 1, "[B]");
@@ -65,5 +68,29 @@ struct VaeElboBackwardCall : VaeElboInputs {
             gw_logvar, gb_logvar, gw_dec1, gb_dec1, gw_dec2, gb_dec2};
   }
 };
+
+// The backward's checks for bfloat16 inputs, before the cast to float32
+// (common/low_precision.h): the forward's rules with bfloat16 allowed, and
+// each upstream gradient in x's dtype, so a mixed call is refused by name
+// (ranks and sizes are checked again, on the float32 copies, by
+// VaeElboBackwardCall).
+inline void check_vae_elbo_backward_bfloat16(
+    const std::optional<Tensor>& grad_elbo, const std::optional<Tensor>& grad_recon,
+    const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+    const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
+    const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
+    const Tensor& b_dec2, int64_t likelihood) {
+  const auto s = check_vae_elbo_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1,
+                                     b_dec1, w_dec2, b_dec2, /*allow_bfloat16=*/true);
+  for (const auto& [g, name] : {std::pair<const std::optional<Tensor>&, const char*>{grad_elbo, "grad_elbo"},
+                                {grad_recon, "grad_recon"},
+                                {grad_kl, "grad_kl"}}) {
+    if (!g.has_value()) continue;
+    check_rank(*g, name, 1, "[B]");
+    check_size(*g, name, 0, s.B, "B, the batch size of x");
+    check_same_float_dtype_and_device({{x, "x"}, {*g, name}}, /*allow_bfloat16=*/true);
+  }
+  check_vae_likelihood(likelihood);
+}
 
 }  // namespace fused_ops

@@ -23,6 +23,7 @@ Not a test module: pytest collects nothing here.
 """
 
 from op_table.base import (
+    BF16,
     F32,
     F64,
     F32_ULP,

@@ -137,3 +137,16 @@ def test_fused_compile_ro_sits_beside_fused_not_among_the_baselines():
     headers, cells = benchmark.build_table([row], cuda=False)
     assert "x fused_compile_ro" not in headers and "x fused" not in headers
     assert cells[0][headers.index("fused_compile_ro")] == benchmark.format_us(5.0)
+
+
+def test_bfloat16_vae_row_reports_float64_errors():
+    # The vae_bf16 forward row: fused bfloat16 checked against eager bfloat16
+    # within the workload's tolerance; every variant's error against a float64
+    # run on the same values is reported, output by output.
+    workload = dataclasses.replace(benchmark.WORKLOADS["vae_bf16"], sizes={"default": {"B": 8, "I": 16, "H": 8, "L": 4}})
+    row = benchmark.run_case(workload, "default", torch.device("cpu"), min_run_time=0.001, use_compile=False)
+    eager, fused = row["variants"]["eager"], row["variants"]["fused"]
+    assert eager["status"] == "ok" and fused["status"] == "ok", (eager, fused)
+    assert fused["match"] is True
+    for res in (eager, fused):
+        assert len(res["err_vs_float64"]) == 3 and all(0 <= e < 1.0 for e in res["err_vs_float64"])

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fused_test_utils import CUDA_AVAILABLE, requires_cuda, tol
-from op_cases import CASES, F32, F64, max_abs
+from op_cases import BF16, CASES, F32, F64, max_abs
 
 pytestmark = requires_cuda
 
@@ -39,9 +39,29 @@ def _params(attr):
     out = []
     for case in CASES.values():
         for pc in getattr(case, attr):
-            dt = "f64" if pc.dtype == F64 else "f32"
+            dt = _DTYPE_IDS[pc.dtype]
             out.append(pytest.param(case, pc, id=f"{case.name}-{pc.path}-{case.size_id(pc.size)}-{dt}"))
     return out
+
+
+_DTYPE_IDS = {F32: "f32", F64: "f64", BF16: "bf16"}
+
+
+def _check_low_precision(case, got, args, size, what=""):
+    """bfloat16 rows: each output no further from a float64 run on the same
+    (bfloat16) values than the plain PyTorch program run in bfloat16 (2x),
+    plus one bfloat16 ulp of the output's scale (test_mixed_precision.py's
+    rule); outputs in the inputs' dtype."""
+    eps = torch.finfo(args[0].dtype).eps
+    exact = case.ref([a.double() for a in args], size)
+    plain = case.ref(args, size)
+    for name, g, p, e in zip(case.out_names, got, plain, exact):
+        assert g.dtype == args[0].dtype, (name, g.dtype)
+        err_fused, err_plain = max_abs(g.double() - e), max_abs(p.double() - e)
+        floor = eps * max(max_abs(e), 1.0)
+        assert err_fused <= 2 * err_plain + floor, (
+            f"{name}{what}: error {err_fused:.3e} vs the plain bfloat16 program's {err_plain:.3e} "
+            f"(bound 2x + {floor:.2e})")
 
 
 def _prime(case, path, backward=False):
@@ -105,6 +125,9 @@ def test_forced_path(case, pc):
             again = case.fused(args, size)
         for name, g, a in zip(case.out_names, got, again):
             assert torch.equal(g, a), f"{name} differs bitwise between two calls"
+        if dtype == BF16:
+            _check_low_precision(case, got, args, size)
+            continue
         _check_reference(case, got, args, size, dtype)
         if dtype != F32:
             continue
@@ -136,10 +159,14 @@ def test_natural_choice(case, pc):
     assert _paths.last(case.name) == pc.path, (
         f"{case.name} at {size} ({pc.note or dtype}) took {_paths.last(case.name)!r}, "
         f"expected {pc.path!r}:\n{_table(case)}")
-    _check_reference(case, got, args, size, dtype)
     for name, g, a in zip(case.out_names, got, case.fused(args, size)):
         assert torch.equal(g, a), f"{name} differs bitwise between two calls"
     cpu = case.fused([a.cpu() for a in args], size)
+    if dtype == BF16:  # both devices within the bound (the CPU: float32 on float32 copies)
+        _check_low_precision(case, got, args, size)
+        _check_low_precision(case, cpu, [a.cpu() for a in args], size, " (CPU)")
+        return
+    _check_reference(case, got, args, size, dtype)
     if dtype == F32:
         # float32 CUDA and CPU kernels round differently; where the problem is
         # ill-conditioned (importance weights at D = 1024 hinge on log weights

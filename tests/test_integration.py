@@ -107,7 +107,7 @@ def _path_params():
         for backward, rows in ((False, case.paths), (True, case.bwd_paths)):
             for pc in rows:
                 op = f"{case.name}_backward" if backward else case.name
-                dt = "f64" if pc.dtype == F64 else "f32"
+                dt = {F64: "f64", torch.bfloat16: "bf16"}.get(pc.dtype, "f32")
                 out.append(pytest.param(case, op, pc, id=f"{op}-{pc.path}-{case.size_id(pc.size)}-{dt}"))
     return out
 

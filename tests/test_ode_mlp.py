@@ -446,3 +446,95 @@ def test_sampler_default_grid_is_torchdiffeqs_and_compiles(grid, dtype, device):
     compiled = torch.compile(sampler, fullgraph=True)(x0)
     # Inductor may contract the stage times' t0 + dt * c into an FMA on CUDA.
     torch.testing.assert_close(compiled, got, rtol=1e-6 if dtype == F32 else 1e-14, atol=1e-6 if dtype == F32 else 1e-14)
+
+
+# ---------------------------------------------------------------------------
+# CUDA tiled path (3xTF32 tensor cores): forced, float32 against float64
+# ---------------------------------------------------------------------------
+
+# (B, D, hidden widths, activation): depth 1..6, odd D and widths, ragged
+# tiles, an in-place layer of two passes (300 -> 300) and a narrower one
+# after it (stale columns), a wide single hidden layer at D=1, width 512
+# (two weight-chunk stages instead of three).
+_TILED_SHAPES = [
+    (1, 1, [3], "silu"), (37, 3, [33, 17], "gelu"), (100, 2, [64, 64, 64], "selu"), (65, 1, [420], "tanh"),
+    (70, 2, [], "silu"), (33, 5, [40], "softplus"), (129, 2, [300, 300, 40], "elu"),
+    (64, 3, [17, 33, 65, 31], "leaky_relu"), (40, 4, [32, 32, 32, 32, 32], "gelu_tanh"), (31, 64, [256, 256], "sigmoid"),
+    (45, 2, [512, 512, 512], "relu"),  # two weight-chunk stages
+]
+
+
+def _tiled_run(B, D, widths, act, method, steps=3, all_states=True, cond=False, down=False):
+    """The op forced onto the tiled path in float32 (output memory poisoned
+    with NaN first), the CPU op in float32 and in float64: the float32
+    errors against float64."""
+    from fused_test_utils import poison_allocator
+
+    stages = (1, 2, 2, 3, 4)[METHODS.index(method)]
+    ws, bs = make_mlp(D, widths)
+    H0 = ws[0].shape[0]
+    x0 = torch.randn(B, D, dtype=F64)
+    tb = torch.randn(steps * stages, H0, dtype=F64) * 0.3
+    sb = torch.randn(B, H0, dtype=F64) * 0.3 if cond else None
+    m = max(steps - 1, 0).bit_length()
+    t = torch.arange(steps + 1, dtype=F64) * 2.0**-m  # exact in float32
+    if down:
+        t = t.flip(0)
+    code, p = ACTS.index(act), PARAMS.get(act, 0.0)
+
+    def op(dtype, device):
+        cv = lambda v: v.to(device=device, dtype=dtype) if v is not None else None  # noqa: E731
+        return torch.ops.fused_ops.ode_mlp(cv(x0), cv(t), [cv(w) for w in ws], [cv(b) for b in bs[1:]], cv(tb),
+                                           cv(sb), METHODS.index(method), code, p, all_states)
+
+    exact, ref32 = op(F64, "cpu"), op(F32, "cpu")
+    poison_allocator("cuda", F32, [(steps + 1 if all_states else 1) * B * D])
+    with _paths.force("ode_mlp", "tiled"):
+        got = op(F32, "cuda")
+        assert _paths.last("ode_mlp") == "tiled"
+        again = op(F32, "cuda")
+    assert torch.equal(got, again), "not bitwise reproducible"
+    assert got.shape == exact.shape and torch.isfinite(got).all(), "unwritten (NaN) or non-finite outputs"
+    err = (got.cpu().double() - exact).abs().max().item()
+    err32 = (ref32.double() - exact).abs().max().item()
+    floor = 8 * 2.0**-23 * max(exact.abs().max().item(), 1.0)
+    assert err <= 4 * err32 + floor, (err, err32, floor)
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", _TILED_SHAPES, ids=lambda s: f"B{s[0]}-D{s[1]}-{'x'.join(map(str, s[2])) or 'L1'}")
+def test_cuda_tiled_matches_float64(shape, method):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the tiled path needs compute capability 8.0")
+    B, D, widths, act = shape
+    _tiled_run(B, D, widths, act, method)
+
+
+@requires_cuda
+@pytest.mark.parametrize("all_states", [True, False])
+@pytest.mark.parametrize("cond", [False, True], ids=["no_cond", "sample_bias"])
+@pytest.mark.parametrize("down", [False, True], ids=["up", "down"])
+@pytest.mark.parametrize("shape", [(37, 3, [33, 17], "gelu"), (129, 2, [300, 300, 40], "elu")],
+                         ids=["B37-33x17", "B129-300x300x40"])
+def test_cuda_tiled_options(shape, all_states, cond, down):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the tiled path needs compute capability 8.0")
+    B, D, widths, act = shape
+    _tiled_run(B, D, widths, act, "rk4", steps=4, all_states=all_states, cond=cond, down=down)
+
+
+@requires_cuda
+@pytest.mark.parametrize("size,dtype,want", [
+    ((256, 2, [64, 64, 64]), F32, "tiled"), ((4096, 64, [256, 256]), F32, "tiled"),
+    ((1024, 2, [512, 512, 512, 512]), F32, "tiled"), ((600, 2, [600, 600]), F32, "stepwise"),
+    ((256, 2, [64, 64, 64]), F64, "shared"),
+], ids=["f32-small", "f32-seed", "f32-flow-matching", "f32-too-wide", "f64"])
+def test_cuda_tiled_natural_choice(size, dtype, want):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("the tiled path needs compute capability 8.0")
+    B, D, widths = size
+    ws, bs = make_mlp(D, widths, 1, dtype=dtype, device="cuda")
+    x0 = torch.randn(B, D, dtype=dtype, device="cuda")
+    fused_ops.odeint_mlp(x0, torch.linspace(0, 1, 3, dtype=dtype, device="cuda"), ws, bs, method="midpoint")
+    assert _paths.last("ode_mlp") == want

@@ -20,9 +20,10 @@ import torch.utils.benchmark as tb
 import fused_ops
 from fused_ops import _paths
 
-PATHS = ("shared", "general", "stepwise")
-BATCHES = (256, 512, 1024, 4096, 16384, 65536)
-LAYOUTS = ((64, 4), (128, 4), (256, 3), (512, 5))  # (width, Linear layers)
+# split takes only the seed field (D = 64, widths 256, 256, 64): blank on this grid.
+PATHS = ("cluster", "tiled", "shared", "general", "stepwise")
+BATCHES = (8, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)  # 8, 32: the cluster path's range
+LAYOUTS = ((64, 4), (128, 4), (256, 3), (384, 3), (512, 5))  # (width, Linear layers)
 
 
 def field(D, width, depth, device):
@@ -36,7 +37,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--min-run-time", type=float, default=0.2)
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths to force (default: all)")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     args = parser.parse_args(argv)
+    paths = tuple(args.paths.split(","))
+    batches = tuple(int(b) for b in args.batches.split(","))
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 1
@@ -47,10 +52,10 @@ def main(argv=None) -> int:
     for width, depth in LAYOUTS:
         ws, bs = field(D, width, depth, "cuda")
         macs = sum(w.numel() for w in ws) - width  # the op folds the time column into a bias
-        for B in BATCHES:
+        for B in batches:
             x0 = torch.randn(B, D, device="cuda")
             row = {"width": width, "linear_layers": depth, "B": B, "macs_per_eval": B * macs}
-            for path in PATHS:
+            for path in paths:
                 try:
                     with _paths.force("ode_mlp", path), torch.no_grad():
                         fn = lambda: fused_ops.odeint_mlp(x0, t, ws, bs, method="midpoint", activation="silu")  # noqa: E731
@@ -65,7 +70,7 @@ def main(argv=None) -> int:
                 natural = _paths.last("ode_mlp")
             row["natural"] = natural
             rows.append(row)
-            cells = "  ".join(f"{p} {row[p]:10.1f}" if row[p] else f"{p} {'-':>10}" for p in PATHS)
+            cells = "  ".join(f"{p} {row[p]:10.1f}" if row[p] else f"{p} {'-':>10}" for p in paths)
             print(f"H={width:4d} L={depth} B={B:6d} macs={B * macs:.2e}  {cells}  natural {natural}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     from bench.report import git_state
@@ -77,10 +82,10 @@ def main(argv=None) -> int:
     lines = [f"# ode_mlp CUDA forward paths, forced: {meta['device']}", "",
              f"torch {meta['torch']}, commit {meta['git_commit']}, {meta['date_utc']}; D=2, midpoint, 20 steps, "
              "SiLU, float32; median us per call.", "",
-             "| width | Linear layers | B | multiply-adds per evaluation | " + " | ".join(PATHS) + " | natural |",
-             "|---:|---:|---:|---:|" + "---:|" * len(PATHS) + "---|"]
+             "| width | Linear layers | B | multiply-adds per evaluation | " + " | ".join(paths) + " | natural |",
+             "|---:|---:|---:|---:|" + "---:|" * len(paths) + "---|"]
     for r in rows:
-        cells = " | ".join(f"{r[p]:,.1f}" if r[p] else "-" for p in PATHS)
+        cells = " | ".join(f"{r[p]:,.1f}" if r[p] else "-" for p in paths)
         lines.append(f"| {r['width']} | {r['linear_layers']} | {r['B']} | {r['macs_per_eval']:.2e} | {cells} | "
                      f"{r['natural']} |")
     (args.out / "ode-path-sweep.md").write_text("\n".join(lines) + "\n")

@@ -46,7 +46,7 @@ except ImportError:  # a build without the kernel-path debug hook
     _paths = None
 
 NATURAL = "natural"
-F32, F64 = torch.float32, torch.float64
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,14 @@ def vae_reference_outputs(args, i, h, l_, dtype):
 
 
 def run_vae(b, i, h, l_, dtype):
+    if dtype == BF16:  # against float64 on the same values, a few bfloat16 ulps of each output's scale
+        args = [a.to(BF16) for a in vae_inputs(b, i, h, l_, F32)]
+        got = fused_ops.vae_elbo(*args)
+        with torch.no_grad():
+            want = vae_reference_outputs([a.double() for a in args], i, h, l_, F64)
+        eps = torch.finfo(BF16).eps
+        return all(g.dtype == BF16 and torch.allclose(g.double(), w, atol=4 * eps * max(w.abs().max().item(), 1.0),
+                                                      rtol=0) for g, w in zip(got, want))
     args = vae_inputs(b, i, h, l_, dtype)
     got = fused_ops.vae_elbo(*args)
     with torch.no_grad():
@@ -339,6 +347,8 @@ VAE_CASES = [
     case("cluster", 300, 64, 128, 8, F32, note="more tiles than resident clusters"),
     case("cluster", 37, 1000, 130, 17, F32, note="scalar reads, partial row tile"),
     case("cluster", 5, 5, 7, 3, F32, note="slices smaller than the cluster (empty CTAs)"),
+    case("tiled_bf16", 2048, 37, 16, 5, BF16, note="bfloat16, the smallest batch it takes, odd I and L"),
+    case("tiled_bf16", 2053, 100, 64, 20, BF16, note="bfloat16, partial last tile, I past one chunk"),
     case("wgmma", 2053, 784, 256, 32, F32, note="partial last tile (sm_90a build)"),
     case("wgmma", 2048, 130, 256, 17, F32, note="a full decoder pass and a tail pass"),
     case("wgmma", 2048, 20, 256, 8, F32, note="the smallest shape it takes: any I, L <= 32"),
@@ -423,7 +433,16 @@ ODE_CASES = [
     case("shared", 300, 2, (64, 64, 64), 4, "euler", F32, note="torchcfm-like, a ragged last tile"),
     case("shared", 37, 3, (33, 17), 3, "rk4", F32, note="odd widths, four stages"),
     case("shared", 5, 2, (16,), 2, "heun3", F64, note="float64"),
+    case("tiled", 37, 3, (33, 17), 3, "rk4", F32, note="3xTF32 tiles: odd widths, a ragged tile, four stages"),
+    case("tiled", 70, 1, (300, 300, 40), 2, "heun3", F32, note="in-place layers of one and two passes"),
+    case("tiled", 1, 2, (8,), 2, "euler", F32, note="one row"),
+    case("tiled", 40, 2, (512, 512), 1, "midpoint", F32, note="two weight-chunk stages"),
     case("general", 17, 2, (3000, 3000), 1, "midpoint", F32, note="working set beyond shared memory"),
+    case("cluster", 3, 2, (33, 17), 2, "rk4", F32, note="one row chunk, ragged slices, four stages"),
+    case("cluster", 32, 5, (300,), 2, "heun3", F32, note="four row chunks, long k-segments"),
+    case("cluster", 1, 1, (), 3, "midpoint", F32, note="one Linear layer: X read and pushed in one layer"),
+    case("split", 3, 64, (256, 256), 2, "rk4", F32, note="the seed field, 4 blocks per row, four stages"),
+    case("split", 40, 64, (256, 256), 2, "heun3", F32, note="2 blocks per row on 132 SMs (4B > SMs)"),
     case("general", 300, 2, (64, 64, 64), 2, "euler", F32, note="forced where shared applies"),
     case(NATURAL, 0, 2, (8,), 2, "euler", F32, note="empty batch"),
 ]
@@ -436,6 +455,9 @@ ODE_BACKWARD_CASES = [
 
 # vae_mlp_elbo: (B, I, encoder widths, L, decoder widths, dtype).
 VAE_MLP_CASES = [
+    case("cluster", 17, 101, (33, 17), 5, (17, 33), F32, note="odd widths, scalar reads, a partial row tile"),
+    case("cluster", 128, 784, (512, 256), 64, (256, 512), F32, note="the benchmark's model, float4 reads"),
+    case("cluster", 5, 6, (5, 4, 3, 2), 2, (2, 3, 4, 5), F32, note="depth 4, slices smaller than the cluster"),
     case("cublas", 130, 20, (17, 9), 4, (9, 17), F32, note="odd widths, a partial warp of rows"),
     case("cublas", 33, 784, (512, 256), 64, (256, 512), F32, note="the benchmark's Gaussian model"),
     case("cublas", 5, 6, (5, 4, 3, 2), 2, (2, 3, 4, 5), F64, note="four hidden layers each side, float64"),

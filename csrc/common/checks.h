@@ -110,11 +110,16 @@ struct ShimTensorInfo {
 };
 
 // All tensors float32/float64, the same dtype as the first, on the first one's device.
-inline void check_same_float_dtype_and_device(std::initializer_list<NamedTensor> tensors) {
+// With allow_bfloat16, all-bfloat16 tensors pass too (ops that take them:
+// a bfloat16 kernel path or common/low_precision.h's float32 fallback); the
+// message stays the float32/float64 one, which every op and fake shares.
+inline void check_same_float_dtype_and_device(std::initializer_list<NamedTensor> tensors,
+                                              bool allow_bfloat16 = false) {
   const auto& [first, first_name] = *tensors.begin();
   const ScalarType dtype = first.scalar_type();
-  FUSED_OPS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, first_name,
-                  " must be float32 or float64, got ", dtype_str(dtype));
+  FUSED_OPS_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
+                      (allow_bfloat16 && dtype == ScalarType::BFloat16),
+                  first_name, " must be float32 or float64, got ", dtype_str(dtype));
   const ShimTensorInfo want(first);
   for (auto it = tensors.begin() + 1; it != tensors.end(); ++it) {
     const auto& [t, name] = *it;

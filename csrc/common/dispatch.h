@@ -118,6 +118,13 @@ class PathTable {
 
   void run(const Call& c) const { select(c).launch(c); }
 
+  // The forced path's name, nullptr when none is forced (an op that routes
+  // some calls around its table, e.g. to a float32 fallback, honours a force).
+  const char* forced_name() const {
+    const int forced = info_.forced.load(std::memory_order_relaxed);
+    return forced >= 0 ? paths_[forced].name : nullptr;
+  }
+
  private:
   // xformers-style: say why the forced path cannot run, and what would.
   std::string refusal(const Call& c, int forced) const {

@@ -85,10 +85,12 @@ def check_size(t, name, dim, expected, what):
           shape_str(t))
 
 
-def check_same_float_dtype_and_device(named):
-    """``named``: ``[(tensor, name), ...]``; all float32/float64, the first's dtype, on the first's device."""
+def check_same_float_dtype_and_device(named, allow_bfloat16=False):
+    """``named``: ``[(tensor, name), ...]``; all float32/float64 (or, with
+    ``allow_bfloat16``, all bfloat16), the first's dtype, on the first's device."""
     first, first_name = named[0]
-    check(first.dtype in _FLOAT_DTYPES, first_name, " must be float32 or float64, got ", dtype_str(first.dtype))
+    ok = first.dtype in _FLOAT_DTYPES or (allow_bfloat16 and first.dtype == torch.bfloat16)
+    check(ok, first_name, " must be float32 or float64, got ", dtype_str(first.dtype))  # csrc/common/checks.h's message
     for t, name in named[1:]:
         check(t.dtype == first.dtype, name, " must have the same dtype as ", first_name, " (",
               dtype_str(first.dtype), "), got ", dtype_str(t.dtype))

@@ -19,7 +19,11 @@ from mixed-precision programs without bfloat16/float16 kernels:
   losses) and the outputs are cast back to the inputs' dtype.  The casts are
   ordinary differentiable ``Tensor.to`` calls, so gradients flow back in the
   inputs' dtype.  ``torch.ops.fused_ops.*`` called directly keeps the
-  kernels' rule (float32 or float64) and refuses bfloat16/float16 by name.
+  kernels' rule (float32 or float64) and refuses bfloat16/float16 by name,
+  except ``vae_elbo`` and ``vae_elbo_backward``, which take all-bfloat16
+  inputs themselves (a CUDA bfloat16 path, else float32 copies made in C++:
+  csrc/common/low_precision.h); ``fused_ops.vae_elbo`` hands them over as
+  they are.
 
 Under autocast the Python functions cast the same way the rule does before
 calling the op, so the autograd node they record sees float32 inputs.
@@ -37,7 +41,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-def _autocast_on(device_type):
+def autocast_on(device_type):
+    """Whether autocast is on for ``device_type`` (CPU or CUDA)."""
     return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
@@ -45,7 +50,7 @@ def compute_dtype(dtype, device_type):
     """The dtype an op computes in for inputs of ``dtype`` on ``device_type``:
     float32 for bfloat16/float16 inputs and for anything but float64 under
     autocast, else ``dtype``."""
-    if dtype in LOW_PRECISION or (dtype != torch.float64 and _autocast_on(device_type)):
+    if dtype in LOW_PRECISION or (dtype != torch.float64 and autocast_on(device_type)):
         return torch.float32
     return dtype
 
@@ -71,7 +76,7 @@ def to_compute_dtype(names, tensors):
     if first is None:
         return tensors, None  # the op names the missing argument
     device_type = first.device.type
-    if _autocast_on(device_type):
+    if autocast_on(device_type):
         return tuple(_autocast_cast(t, device_type) for t in tensors), None
     if first.dtype not in LOW_PRECISION:
         return tensors, None

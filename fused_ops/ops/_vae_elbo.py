@@ -57,10 +57,13 @@ def vae_elbo(
     ``b_dec2 [I]`` (``nn.Linear`` weight layout); all float32 or all float64,
     on one device (CPU or CUDA).
 
-    Dtypes: all float32 or all float64 (the kernels' rule, which
-    ``torch.ops.fused_ops.*`` keeps); this function also takes all-bfloat16
-    or all-float16 inputs, computes in float32 and returns its outputs in
-    the inputs' dtype (gradients too).  Under ``torch.autocast`` (CPU, CUDA)
+    Dtypes: all float32, all float64 or all bfloat16 (the op's rule); this
+    function also takes all-float16 inputs, computes in float32 and returns
+    its outputs in the inputs' dtype (gradients too).  bfloat16 goes to the
+    op as it is: on CUDA at B >= 2048 (Bernoulli, H % 16 == 0, H <= 256) the
+    ``tiled_bf16`` path (bfloat16 tensor-core products with float32
+    accumulation, the rest float32), otherwise the float32 kernels on
+    float32 copies; outputs and gradients in bfloat16.  Under ``torch.autocast`` (CPU, CUDA)
     lower-precision and float32 inputs run in float32 and the outputs are
     float32; float64 inputs stay float64 (``fused_ops/ops/_dtypes.py``).
 
@@ -163,10 +166,15 @@ def vae_elbo(
     pair on the CPU: its graphs are specialised to the device they were
     compiled for.
     """
-    args, out_dtype = _dtypes.to_compute_dtype(
-        _ARG_NAMES, (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2))
+    inputs = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
     # The default likelihood is the schema's default: no scalar to box.
     scalars = () if likelihood == "bernoulli" else (likelihood_code(likelihood),)
+    if _bfloat16_to_the_op(inputs, dec_logvar, return_outputs):
+        # The op takes bfloat16 itself (CUDA: the bfloat16 tensor-core path
+        # at large batches, else a float32 run on float32 copies; the CPU:
+        # the latter), its gradients through the same cast.
+        return _eager.call(_OP, inputs, *scalars)
+    args, out_dtype = _dtypes.to_compute_dtype(_ARG_NAMES, inputs)
     if dec_logvar is not None:
         if args[0] is not x and isinstance(dec_logvar, Tensor):  # cast to the compute dtype with the rest
             dec_logvar = dec_logvar.to(args[0].dtype)
@@ -180,6 +188,21 @@ def vae_elbo(
         elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args, *scalars)
         return _dtypes.from_compute_dtype((elbo, recon, kl), out_dtype)
     return _dtypes.from_compute_dtype(_eager.call(_OP, args, *scalars), out_dtype)
+
+
+def _bfloat16_to_the_op(inputs, dec_logvar, return_outputs):
+    """Whether a call goes to the op with its bfloat16 inputs as they are:
+    every input bfloat16, outside autocast, without ``dec_logvar`` or
+    ``return_outputs``, and not a CPU call that needs gradients (those run
+    the float32 CPU training pair, on casts made here)."""
+    x = inputs[0]
+    if not isinstance(x, Tensor) or x.dtype != torch.bfloat16 or dec_logvar is not None or return_outputs:
+        return False
+    if _dtypes.autocast_on(x.device.type):  # autocast's float32 rule
+        return False
+    if not all(isinstance(t, Tensor) and t.dtype == torch.bfloat16 for t in inputs):
+        return False  # to_compute_dtype names the mismatched argument
+    return not (x.is_cpu and _eager.needs_grad(inputs) and not _recording_a_portable_graph())
 
 
 _ARG_NAMES = ("x", "eps", "w_enc", "b_enc", "w_mu", "b_mu", "w_logvar", "b_logvar", "w_dec1", "b_dec1", "w_dec2",
@@ -252,9 +275,12 @@ def _recording_a_portable_graph() -> bool:
     return torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
-def _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2):
+def _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                allow_bfloat16=False):
     """The argument rules of csrc/vae_elbo.h's check_vae_elbo_args, in its
-    order and with its messages (fused_ops/ops/_checks.py); returns ``(B, I, H, L)``."""
+    order and with its messages (fused_ops/ops/_checks.py); returns ``(B, I, H, L)``.
+    ``allow_bfloat16``: ``vae_elbo`` and ``vae_elbo_backward`` take all-bfloat16
+    inputs (not the CPU training pair)."""
     check_rank(x, "x", 2, "[B, I]")
     check_rank(eps, "eps", 2, "[B, L]")
     check_rank(w_enc, "w_enc", 2, "[H, I]")
@@ -290,7 +316,7 @@ def _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_
         (x, "x"), (eps, "eps"), (w_enc, "w_enc"), (b_enc, "b_enc"), (w_mu, "w_mu"), (b_mu, "b_mu"),
         (w_logvar, "w_logvar"), (b_logvar, "b_logvar"), (w_dec1, "w_dec1"), (b_dec1, "b_dec1"),
         (w_dec2, "w_dec2"), (b_dec2, "b_dec2"),
-    ])
+    ], allow_bfloat16)
     return b, i, h, l_
 
 
@@ -300,23 +326,24 @@ def _check_likelihood(likelihood):
           "2 (Gaussian, mean sigmoid(logits)) or 3 (Gaussian, mean = logits), got ", likelihood)
 
 
-def _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs):
+def _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs, allow_bfloat16=False):
     """The rules of csrc/vae_elbo_backward.h's VaeElboBackwardCall; returns ``(B, I, H, L)``."""
-    sizes = _check_args(*inputs)
+    sizes = _check_args(*inputs, allow_bfloat16=allow_bfloat16)
     for g, name in ((grad_elbo, "grad_elbo"), (grad_recon, "grad_recon"), (grad_kl, "grad_kl")):
         if g is not None:
             check_rank(g, name, 1, "[B]")
             check_size(g, name, 0, sizes[0], "B, the batch size of x")
-            check_same_float_dtype_and_device([(inputs[0], "x"), (g, name)])
+            check_same_float_dtype_and_device([(inputs[0], "x"), (g, name)], allow_bfloat16)
     return sizes
 
 
 @torch.library.register_fake("fused_ops::vae_elbo")
 def _vae_elbo_fake(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
                    likelihood=0):
-    b = _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)[0]
+    b = _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                    allow_bfloat16=True)[0]
     _check_likelihood(likelihood)
-    return x.new_empty(b), x.new_empty(b), x.new_empty(b)
+    return x.new_empty(b), x.new_empty(b), x.new_empty(b)  # in the inputs' dtype, bfloat16 included
 
 
 # Autograd: the fused backward ops, themselves not differentiable.
@@ -379,7 +406,7 @@ def _vae_elbo_backward(ctx, grad_elbo, grad_recon, grad_kl):
 @torch.library.register_fake("fused_ops::vae_elbo_backward")
 def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs_likelihood):
     inputs, likelihood = inputs_likelihood[:12], (inputs_likelihood[12:] or (0,))[0]
-    _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs)
+    _check_backward_args(grad_elbo, grad_recon, grad_kl, *inputs, allow_bfloat16=True)
     _check_likelihood(likelihood)
     return tuple(t.new_empty(t.shape) for t in inputs)
 

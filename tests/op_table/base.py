@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 
 F32_ULP = 2.0**-23
-F32, F64 = torch.float32, torch.float64
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
 
 def as_tuple(out):
@@ -88,6 +88,8 @@ class PathCase:
     dtype: Any = torch.float32
     note: str = ""
     bound: float = 2.0  # float32 error against float64, in units of the float32 reference's
+    # (bfloat16 rows: the error against float64 is held to 2x the plain
+    # bfloat16 program's plus one bfloat16 ulp, test_cuda_paths.py)
 
 
 @dataclass(frozen=True)

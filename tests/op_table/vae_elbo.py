@@ -10,6 +10,7 @@ import fused_ops
 from fused_ops import reference
 from fused_test_utils import VAE_ARG_NAMES, arg_modifier, make_vae_inputs
 from op_table.base import (
+    BF16,
     F32,
     F64,
     Accuracy,
@@ -287,6 +288,11 @@ VAE_ELBO = OpCase(
     bwd_graph_size=(128, 784, 256, 32),
     bwd_cuda_cpu_sizes=((37, 50, 13, 4), (1000, 784, 256, 32), (2048, 784, 256, 32)),
     paths=(
+        # bfloat16 products with float32 accumulation: within 2x the plain
+        # bfloat16 program's error (plus one bfloat16 ulp), as every bfloat16
+        # call (test_cuda_paths.py's _check_low_precision).
+        PathCase("tiled_bf16", (2085, 784, 256, 32), BF16, note="partial last row tile"),
+        PathCase("tiled_bf16", (2048, 100, 64, 7), BF16, note="I below two chunks, L padded to 16"),
         # 3xTF32 tensor-core products: within 4x the float32 reference's
         # error, the bound of the accuracy test at B=2048.
         PathCase("wgmma", (2048, 784, 256, 32), bound=4),
@@ -311,6 +317,11 @@ VAE_ELBO = OpCase(
         PathCase("cluster", (128, 784, 400, 20), note="pytorch/examples' VAE, its batch size"),
         PathCase("cluster", (8192, 784, 400, 20),
                  note="pytorch/examples' VAE at a large batch (H > 256: no tensor-core path)"),
+        PathCase("tiled_bf16", (8192, 784, 256, 32), BF16, note="large bfloat16 batch"),
+        PathCase("tiled_bf16", (4100, 784, 128, 20), BF16, note="bfloat16, H < 256, L padded to 32"),
+        # bfloat16 calls tiled_bf16 does not take: the float32 table on float32 copies.
+        PathCase("cluster", (128, 784, 256, 32), BF16, note="bfloat16 below the tensor-core batch"),
+        PathCase("tiled", (2048, 784, 248, 32), BF16, note="bfloat16, H % 16 != 0"),
         PathCase("wgmma", (8192, 784, 256, 32), note="large batch"),
         PathCase("wgmma", (2053, 784, 256, 32), note="partial last row tile, one 16-column tail pass"),
         PathCase("wgmma", (2048, 37, 256, 5), note="I below one chunk, tail passes only, odd L"),
@@ -326,8 +337,9 @@ VAE_ELBO = OpCase(
         PathCase("general", (128, 784, 256, 32), F64),
         PathCase("general", (2048, 784, 256, 32), F64, note="float64, large batch"),
     ),
-    refused=(PathCase("wgmma", (128, 784, 256, 32), F64), PathCase("wgmma", (2048, 784, 128, 32))),
-    path_names=("wgmma", "tiled", "cluster", "general"),
+    refused=(PathCase("wgmma", (128, 784, 256, 32), F64), PathCase("wgmma", (2048, 784, 128, 32)),
+             PathCase("tiled_bf16", (2048, 784, 256, 32)), PathCase("tiled_bf16", (2048, 784, 248, 32), BF16)),
+    path_names=("tiled_bf16", "wgmma", "tiled", "cluster", "general"),
     sm90_paths=frozenset({"wgmma", "cluster"}),
     bwd_path_names=("persistent", "cublas"),
     # float64: float32 gradients of these sizes cannot be compared with the

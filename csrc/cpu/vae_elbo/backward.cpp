@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common/likelihood.h"
+#include "common/low_precision.h"
 #include "common/matmul.h"
 #include "vae_elbo_backward.h"
 
@@ -254,8 +255,18 @@ VaeElboBackwardResult vae_elbo_backward_cpu(
     const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
     const Tensor& b_dec2, int64_t likelihood) {
+  if (is_bfloat16(x)) {  // checked, then the float32 backward on float32 copies
+    check_vae_elbo_backward_bfloat16(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu,
+                                     b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                                     likelihood);
+    return low_precision::in_float32(ScalarType::BFloat16, vae_elbo_backward_cpu, grad_elbo,
+                                     grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
+                                     w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                                     likelihood);
+  }
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
-                        w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2);
+                        w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, /*with_grad_x=*/true,
+                        /*allow_bfloat16=*/true);  // the messages of the bfloat16-taking op
   c.likelihood = check_vae_likelihood(likelihood);
   dispatch_float(x.scalar_type(), [&](auto zero) { vae_elbo_backward_kernel<decltype(zero)>(c); });
   return c.result();

@@ -35,6 +35,7 @@
 
 #include "common/bce.h"
 #include "common/likelihood.h"
+#include "common/low_precision.h"
 #include "common/matmul.h"
 #include "cpu/vae_rows.h"
 #include "cpu/vec_math.h"
@@ -216,8 +217,16 @@ VaeElboResult vae_elbo_cpu(const Tensor& x, const Tensor& eps, const Tensor& w_e
                            const Tensor& w_logvar, const Tensor& b_logvar, const Tensor& w_dec1,
                            const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2,
                            int64_t likelihood) {
+  if (is_bfloat16(x)) {  // checked, then the float32 kernel on float32 copies
+    check_vae_elbo_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1,
+                        w_dec2, b_dec2, /*allow_bfloat16=*/true);
+    check_vae_likelihood(likelihood);
+    return low_precision::in_float32(ScalarType::BFloat16, vae_elbo_cpu, x, eps, w_enc, b_enc,
+                                     w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                                     b_dec2, likelihood);
+  }
   VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
-                b_dec2);
+                b_dec2, /*allow_bfloat16=*/true);  // the messages of the bfloat16-taking op
   c.likelihood = check_vae_likelihood(likelihood);
   dispatch_float(x.scalar_type(), [&](auto zero) { vae_elbo_kernel<decltype(zero)>(c); });
   return c.result();

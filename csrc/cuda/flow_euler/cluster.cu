@@ -28,6 +28,7 @@
 #include <algorithm>
 
 #include "cuda/flow_euler/paths.cuh"
+#include "cuda/primitives/cluster_mlp.cuh"
 #include "cuda/primitives/int_divider.cuh"
 #include "cuda/primitives/runtime.cuh"
 
@@ -42,31 +43,8 @@ constexpr int kClusterMaxB = 32;
 // for clusters of C = 8 or 16 blocks, so the push needs no per-block width.
 constexpr int kClusterLd = 16;
 
-// Weight rows in shared memory are 4 floats longer than the activation rows
-// (ld + 4 is 4 or 20 mod 32), so the 8 lanes of a quarter-warp that read
-// float4s of 8 consecutive neurons' rows at the same k hit 8 distinct bank
-// quads (a multiple of 16 would put them in 2).
-__host__ __device__ inline int weight_ld(int ld) { return ld + 4; }
-
-// How one layer's work is cut, fixed for the launch (host-computed; the
-// dividers turn the flat thread index into coordinates without the
-// ~20-instruction integer division in every layer of every step).
-//   dot products: items (neuron j, k-segment s, 8-row chunk), j fastest, one
-//     per thread where possible: segments of `seg` floats (a multiple of 4),
-//     doubled from 4 until the items fit the block's threads, so that the
-//     short layers (K = D + 1, or N = D) still spread over all warps;
-//   partial sums: [segment][row][neuron], segment stride s_stride (rows * n
-//     rounded up to 32 / 2^log_parts mod 32, so a warp's finalisation reads
-//     -- 32 / 2^log_parts consecutive outputs x 2^log_parts segments -- hit
-//     32 distinct banks);
-//   finalisation: 2^log_parts lanes per output each sum every 2^log_parts-th
-//     segment, then a butterfly over those lanes (a fixed order);
-//   exchange: the [rows][n] slice is pushed as `per_row` vectors per row
-//     (float4s when n % 4 == 0, else floats), `per_dst` to each block.
-struct ClusterLayer {
-  int n, ld_in, seg, nseg, s_stride, log_parts, vec4;
-  cuda::IntDivider by_n, by_nseg, by_per_row, by_per_dst;
-};
+using cuda::cluster_mlp::ClusterLayer;  // the work split of a layer (see the header)
+using cuda::cluster_mlp::weight_ld;
 
 struct ClusterArgs : FlowParams {
   int n1, n3;    // neurons per block: layers 1-2, layer 3
@@ -98,26 +76,14 @@ struct ClusterLayout {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// One layer of the cluster kernel.  `in` is this block's full copy of the
-// layer input ([rows][g.ld_in], zero past the true length), `w` its weight
-// rows ([g.n][weight_ld(g.ld_in)], zero-padded alike, as are the biases of
-// neurons past the layer's width, which therefore come out exactly 0: SiLU(0)
-// and x + dt * 0 of a zero padding column); the result for (row,
-// first_neuron + j), j < g.n, goes to `out` (same offset in every block of
-// the cluster; num_blocks * g.n <= the padded row length).  Three
-// stages, each closed by a barrier (see ClusterLayer for the work split):
-//   1. partial dot products: a thread's weight float4 stays in registers
-//      across its 8 rows, and the threads of a warp that share a segment read
-//      the same input float4 (a broadcast);
-//   2. each output's segments are summed in a fixed order (bitwise
-//      reproducible), then bias and SiLU or the Euler update, into `stage`;
-//   3. the slice [rows][g.n] is pushed into every block's `out` (this one's
-//      included) as contiguous runs: scattered scalar stores, one value to 16
-//      blocks, cost far more than the arithmetic (distributed shared memory
-//      traffic is per transaction).  The caller's cluster barrier publishes
-//      the pushes.
-// The update reads x[row, col] in stage 2 and overwrites it in stage 3,
-// after the block barrier between them.
+// One layer of the cluster kernel: cuda::cluster_mlp::cluster_layer (dot
+// products, fixed-order sums, the push into every block's `out`) with this
+// op's epilogue.  `in` is this block's full copy of the layer input
+// ([rows][g.ld_in], zero past the true length), `w` its weight rows
+// (zero-padded alike, as are the biases of neurons past the layer's width,
+// which therefore come out exactly 0: SiLU(0) and x + dt * 0 of a zero
+// padding column).  The update reads x[row, col] in the epilogue and the
+// push overwrites it after the routine's block barrier between them.
 template <int MODE>
 __device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int num_blocks,
                                               const ClusterLayer& g, const float* in, const float* w,
@@ -125,76 +91,18 @@ __device__ __forceinline__ void cluster_layer(cg::cluster_group& cluster, int nu
                                               const float* w_time, float t, float* out,
                                               int ld_out, int rows, float dt, float* partial,
                                               float* stage) {
-  const int n = g.n, ld_in = g.ld_in, wld = weight_ld(ld_in);
-  const unsigned tid = threadIdx.x;
-  const unsigned items = unsigned(n * g.nseg * (rows / 8));
-  for (unsigned item = tid; item < items; item += kThreads) {
-    unsigned j, rest, s, chunk;
-    g.by_n.divmod(item, rest, j);
-    g.by_nseg.divmod(rest, chunk, s);
-    const float* wrow = w + j * wld;
-    const float* irow = in + chunk * 8 * ld_in;
-    const int k_end = min(int(s + 1) * g.seg, ld_in);
-    float acc[8];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) acc[r] = 0.f;
-#pragma unroll 4
-    for (int k = int(s) * g.seg; k < k_end; k += 4) {
-      const float4 wv = *reinterpret_cast<const float4*>(wrow + k);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const float4 v = *reinterpret_cast<const float4*>(irow + r * ld_in + k);
-        acc[r] = fmaf(wv.x, v.x, acc[r]);
-        acc[r] = fmaf(wv.y, v.y, acc[r]);
-        acc[r] = fmaf(wv.z, v.z, acc[r]);
-        acc[r] = fmaf(wv.w, v.w, acc[r]);
-      }
-    }
-    float* p = partial + s * g.s_stride + (chunk * 8) * n + j;
-#pragma unroll
-    for (int r = 0; r < 8; ++r) p[r * n] = acc[r];
-  }
-  __syncthreads();
-  // Every thread runs every round (the butterfly needs whole warps); groups
-  // of 2^log_parts lanes never straddle a warp.
-  const int parts = 1 << g.log_parts;
-  const unsigned slots = unsigned(rows * n) << g.log_parts;
-  for (unsigned base = 0; base < slots; base += kThreads) {
-    const unsigned idx = base + tid;
-    const unsigned o = idx >> g.log_parts;
-    const int part = int(idx) & (parts - 1);
-    float sum = 0.f;
-    if (idx < slots) {
-      for (int s = part; s < g.nseg; s += parts) sum += partial[s * g.s_stride + o];
-    }
-    for (int off = parts / 2; off > 0; off /= 2) sum += __shfl_xor_sync(kFullMask, sum, off);
-    if (idx < slots && part == 0) {
-      unsigned row, j;
-      g.by_n.divmod(o, row, j);
-      float value;
-      if (MODE == kHidden) {
-        if (w_time != nullptr) sum += t * w_time[j];
-        value = silu(sum + bias[j]);
-      } else {
-        value = euler_step(out[row * ld_out + first_neuron + j], dt, sum + bias[j]);
-      }
-      stage[o] = value;
-    }
-  }
-  __syncthreads();
-  const unsigned pushes = unsigned(num_blocks) * g.by_per_dst.divisor;
-  for (unsigned i = tid; i < pushes; i += kThreads) {
-    unsigned dst, rem, row, q;
-    g.by_per_dst.divmod(i, dst, rem);
-    g.by_per_row.divmod(rem, row, q);
-    if (g.vec4) {
-      const float4 v = reinterpret_cast<const float4*>(stage + row * n)[q];
-      float* remote = cluster.map_shared_rank(out + row * ld_out + first_neuron, int(dst));
-      reinterpret_cast<float4*>(remote)[q] = v;
+  auto epilogue = [&](unsigned, unsigned row, unsigned j, float sum) {
+    float value;
+    if (MODE == kHidden) {
+      if (w_time != nullptr) sum += t * w_time[j];
+      value = silu(sum + bias[j]);
     } else {
-      *cluster.map_shared_rank(out + row * ld_out + first_neuron + q, int(dst)) = stage[rem];
+      value = euler_step(out[row * ld_out + first_neuron + j], dt, sum + bias[j]);
     }
-  }
+    return value;
+  };
+  cuda::cluster_mlp::cluster_layer(cluster, num_blocks, g, in, w, first_neuron, out, ld_out, rows, partial,
+                                   stage, epilogue);
 }
 #endif
 
@@ -253,33 +161,6 @@ __global__ void __launch_bounds__(kThreads, 1) flow_cluster_kernel(ClusterArgs a
 #endif
 }
 
-// The work split of a layer with n neurons per block, input rows of ld_in
-// floats and `rows` rows (see ClusterLayer).
-ClusterLayer cluster_layer_geometry(int n, int ld_in, int rows) {
-  ClusterLayer g{};
-  g.n = n;
-  g.ld_in = ld_in;
-  const int chunks = rows / 8;
-  auto segments = [&](int seg) { return (ld_in + seg - 1) / seg; };
-  g.seg = 4;
-  while (g.seg < ld_in && n * segments(g.seg) * chunks > kThreads) g.seg *= 2;
-  g.nseg = segments(g.seg);
-  const int outputs = rows * n;
-  g.log_parts = 0;
-  while ((2 << g.log_parts) <= std::min(kWarpSize, g.nseg) && (outputs << (g.log_parts + 1)) <= kThreads) {
-    ++g.log_parts;
-  }
-  const int lanes_per_part = kWarpSize >> g.log_parts;  // outputs one warp finalises
-  g.s_stride = outputs + ((lanes_per_part - outputs) % kWarpSize + kWarpSize) % kWarpSize;
-  g.vec4 = n % 4 == 0;
-  const int per_row = g.vec4 ? n / 4 : n;
-  g.by_n = cuda::IntDivider(unsigned(n));
-  g.by_nseg = cuda::IntDivider(unsigned(g.nseg));
-  g.by_per_row = cuda::IntDivider(unsigned(per_row));
-  g.by_per_dst = cuda::IntDivider(unsigned(rows * per_row));
-  return g;
-}
-
 ClusterArgs cluster_args(const FlowEulerCall& c, int num_blocks) {
   ClusterArgs a{};
   static_cast<FlowParams&>(a) = flow_params(c);
@@ -288,9 +169,9 @@ ClusterArgs cluster_args(const FlowEulerCall& c, int num_blocks) {
   a.ldD = round_up(a.D, kClusterLd);
   a.ldH = round_up(a.H, kClusterLd);
   a.rows = round_up(a.B, 8);
-  a.l1 = cluster_layer_geometry(a.n1, a.ldD, a.rows);
-  a.l2 = cluster_layer_geometry(a.n1, a.ldH, a.rows);
-  a.l3 = cluster_layer_geometry(a.n3, a.ldH, a.rows);
+  a.l1 = cuda::cluster_mlp::cluster_layer_geometry(a.n1, a.ldD, a.rows);
+  a.l2 = cuda::cluster_mlp::cluster_layer_geometry(a.n1, a.ldH, a.rows);
+  a.l3 = cuda::cluster_mlp::cluster_layer_geometry(a.n3, a.ldH, a.rows);
   a.partials = 0;
   for (const ClusterLayer* g : {&a.l1, &a.l2, &a.l3}) a.partials = std::max(a.partials, g->nseg * g->s_stride);
   return a;

@@ -87,13 +87,11 @@ __device__ __forceinline__ float row_dots4(const float* in, Weights weights) {
   return row_reduce4(acc);
 }
 
-// Layer 3 of the row and split paths: x[d] += dt * (w3[d] . h2 + b3) for the
-// group's output d = g, lane s summing k in [32 s, 32 s + 32) with its
-// register weights w3r (four partial sums, then a 3-shuffle butterfly);
-// lane 0 of the group writes.
-__device__ __forceinline__ void row_euler_update(float* xs, const float* h2, const float (&w3r)[kRowK3],
-                                                 float b3, float dt) {
-  const int g = int(threadIdx.x) >> 3, s = int(threadIdx.x) & 7;
+// Layer 3's dot product w3[d] . h2 for the group's output d = g, lane s
+// summing k in [32 s, 32 s + 32) with its register weights w3r (four
+// partial sums, then a 3-shuffle butterfly): identical on all 8 lanes.
+__device__ __forceinline__ float row_out_dot(const float* h2, const float (&w3r)[kRowK3]) {
+  const int s = int(threadIdx.x) & 7;
   const float* in = h2 + row_pad(kRowK3 * s);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -104,7 +102,15 @@ __device__ __forceinline__ void row_euler_update(float* xs, const float* h2, con
     acc[2] = fmaf(w3r[k + 2], v.z, acc[2]);
     acc[3] = fmaf(w3r[k + 3], v.w, acc[3]);
   }
-  const float sum = group_sum8((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  return group_sum8((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
+// Layer 3 of the row and split paths: x[d] += dt * (w3[d] . h2 + b3) for the
+// group's output d = g (row_out_dot); lane 0 of the group writes.
+__device__ __forceinline__ void row_euler_update(float* xs, const float* h2, const float (&w3r)[kRowK3],
+                                                 float b3, float dt) {
+  const int g = int(threadIdx.x) >> 3, s = int(threadIdx.x) & 7;
+  const float sum = row_out_dot(h2, w3r);
   if (s == 0) xs[row_pad(g)] = euler_step(xs[row_pad(g)], dt, sum + b3);
 }
 

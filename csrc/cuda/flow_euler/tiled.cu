@@ -26,33 +26,25 @@
 #include <type_traits>
 
 #include "cuda/flow_euler/paths.cuh"
-#include "cuda/primitives/cp_async.cuh"
 #include "cuda/primitives/runtime.cuh"
 #include "cuda/primitives/tf32x3.cuh"
+#include "cuda/primitives/tiled_mlp.cuh"
 
 namespace fused_ops {
 namespace {
 
-constexpr int kTileRows = 32;                   // two m16 tiles
-constexpr int kKChunk = 32;                     // weight columns (k) per staged chunk
-constexpr int kPassCols = kWarps * 4 * 8;       // output columns per pass: 4 n8-tiles per warp
-constexpr int kPassTiles = kPassCols / 8;       // n8-tiles per pass
-constexpr int kFragFloats = cuda::b_fragment_floats(false);  // one B fragment (k8 x n8) of a warp
-constexpr int kChunkFloats = kKChunk / 8 * kPassTiles * kFragFloats;  // a full chunk: 32 KB
-constexpr int kStages = 3;                      // chunks in flight: compute q, land q+1, load q+2
-
-// Packed weights (cuda::pack_b_fragments, once per call): each layer's
-// [N, K] weight in mma B-fragment order with passes of kPassTiles n8-tiles
-// (256 output columns), k padded to whole chunks, so the chunk (pass p,
-// k-chunk kc) the tile kernel consumes is one contiguous block: cp.async
-// copies it 16 bytes per instruction and a lane reads its fragment with one
-// 8-byte shared load.
-constexpr int kChunkSteps = kKChunk / 8;  // k-steps of mma.m16n8k8 per chunk
-
-__host__ __device__ inline int pass_tiles(int N, int p) { return cuda::b_fragment_pass_tiles(N, kPassTiles, p); }
-__host__ __device__ inline int64_t packed_chunk_offset(int N, int kchunks, int p, int kc) {
-  return cuda::b_fragment_offset(N, kchunks * kChunkSteps, kPassTiles, kc * kChunkSteps, p * kPassTiles);
-}
+// The layer core and its constants (32-row tiles, 32-column weight chunks
+// of 32 KB, passes of 256 output columns, three chunks in flight) are
+// cuda/primitives/tiled_mlp.cuh's; the weights are packed for it once per
+// call (launch_tiled).
+namespace tm = cuda::tiled_mlp;
+using tm::kChunkSteps;
+using tm::kKChunk;
+using tm::kPassCols;
+using tm::kPassTiles;
+using tm::kStages;
+using tm::kTileRows;
+static_assert(tm::kThreads == kThreads, "the core's block is the flow kernels' block");
 
 struct TiledArgs : FlowParams {
   int KpD, KpH;                   // D, H rounded up to kKChunk
@@ -83,7 +75,7 @@ struct TiledLayout {
     XS = X + kTileRows * ldD;       // x split: two planes
     H = XS + 2 * kTileRows * ldD;   // h split: two planes
     W = H + 2 * kTileRows * ldH;
-    B1 = W + kStages * kChunkFloats;
+    B1 = W + kStages * tm::kChunkFloats;
     WT = B1 + H_;
     B2 = WT + H_;
     B3 = B2 + H_;
@@ -91,143 +83,24 @@ struct TiledLayout {
   }
 };
 
-// One layer of the tile kernel: out[r, n] for the tile's 32 rows and n < N
-// from the split in[r, k < Kp] (zero for k >= the true K) and the layer's
-// packed weights Wp.  See the file comment for the schedule.
+// One layer of the tile kernel (tm::tiled_layer), its epilogue by MODE:
 //   kHidden: hs <- silu(acc + t * w_time + bias)     (w_time may be null)
 //   kUpdate: x  <- x + dt * (acc + bias), x32 and its split copy xs
-// KEEP = 0 writes each pass's output as it completes; KEEP > 0 (the layer
-// overwrites its own input, N <= KEEP * kPassCols) keeps all passes in
-// registers until every warp is past its last read of the input.
+// KEEP > 0: the layer overwrites its own input (the second hidden layer).
 template <int MODE, int KEEP>
 __device__ __forceinline__ void tiled_layer(const cuda::SplitRows in, int Kp, const float* __restrict__ Wp,
                                             int N, const cuda::SplitRows out, float* x32, const float* bias,
                                             const float* w_time, float t, float dt, float* wbuf) {
-  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
-  const int g = lane / 4, tq = lane % 4;
-  const int kchunks = Kp / kKChunk, passes = (N + kPassCols - 1) / kPassCols;
-  const int num_chunks = kchunks * passes;
-  const float* a_lane = in.big + cuda::ldmatrix_lane_offset(in.ld);
-
-  // Chunk q's copies into buffer q % kStages, one commit group per chunk
-  // (empty past the last chunk, so every thread's group count is uniform).
-  auto issue = [&](int q) {
-    if (q < num_chunks) {
-      const int p = q / kchunks, kc = q - p * kchunks;
-      const float* src = Wp + packed_chunk_offset(N, kchunks, p, kc);
-      float* dst = wbuf + (q % kStages) * kChunkFloats;
-      const int granules = pass_tiles(N, p) * (kKChunk / 8 * kFragFloats / 4);
-      for (int i = tid; i < granules; i += kThreads) cuda::cp_async_16(dst + 4 * i, src + 4 * i);
-    }
-    cuda::cp_async_commit();
-  };
-
-  // Adds chunk q (k-chunk kc of pass p, landed in its buffer) to acc for
-  // this warp's NV tiles of the pass (warp + kWarps * i, i < NV).  NV is a
-  // compile-time constant (run_pass switches on it per chunk, outside the
-  // barriers): tile guards inside the product sequence made the compiler
-  // fence every mma.sync with a WARPSYNC.
-  auto add_chunk = [&](float (&acc)[2][4][4], int q, int kc, int tiles, auto nv) {
-    constexpr int NV = decltype(nv)::value;
-    const float* buf = wbuf + (q % kStages) * kChunkFloats + warp * kFragFloats + lane * 2;
-    // The chunk's products into a fresh accumulator, added to acc in float32:
-    // the tensor cores' own accumulation over a whole K is far less accurate
-    // (docs/flow_euler.md, Numerics).
-    float part[2][4][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kKChunk / 8; ++kk) {
-      const float* ap = a_lane + kc * kKChunk + kk * 8;
-      uint32_t ab[2][4], as[2][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        cuda::ldmatrix_x4(ab[m], ap + m * 16 * in.ld);
-        cuda::ldmatrix_x4(as[m], ap + m * 16 * in.ld + in.plane_floats);
-      }
-      uint32_t bb[4][2] = {}, bs[4][2] = {};
-#pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        const float2 w = *reinterpret_cast<const float2*>(buf + (kk * tiles + kWarps * i) * kFragFloats);
-        const cuda::SplitTf32 b0 = cuda::split_tf32(w.x), b1 = cuda::split_tf32(w.y);
-        bb[i][0] = b0.big, bb[i][1] = b1.big, bs[i][0] = b0.small, bs[i][1] = b1.small;
-      }
-      cuda::mma_3xtf32_tiles(part, ab, as, bb, bs, NV);
-    }
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][i][e] += part[m][i][e];
-  };
-
-  // Accumulates pass p (all its k-chunks) into acc.
-  auto run_pass = [&](float (&acc)[2][4][4], int p) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][i][e] = 0.f;
-    const int tiles = pass_tiles(N, p);
-    const int nv = tiles > warp ? min(4, (tiles - warp + kWarps - 1) / kWarps) : 0;  // warp-uniform
-    for (int kc = 0; kc < kchunks; ++kc) {
-      const int q = p * kchunks + kc;
-      // Chunk q has landed (this thread's copies), then everyone's; every
-      // thread is past chunk q - 1, whose buffer chunk q + 2 now reuses.
-      cuda::cp_async_wait<1>();
-      __syncthreads();
-      issue(q + 2);
-      switch (nv) {
-        case 4: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 4>{}); break;
-        case 3: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 3>{}); break;
-        case 2: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 2>{}); break;
-        case 1: add_chunk(acc, q, kc, tiles, std::integral_constant<int, 1>{}); break;
-        default: break;
-      }
-    }
-  };
-
-  // Output of pass p.  Accumulator e of tile (m, i) is row m*16 + g + 8*(e/2),
-  // column 2*tq + e%2 of the n-tile.
-  auto epilogue = [&](const float (&acc)[2][4][4], int p) {
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = m * 16 + g + 8 * (e / 2);
-          const int col = p * kPassCols + (warp + kWarps * i) * 8 + 2 * tq + (e % 2);
-          if (col >= N) continue;
-          const float s = acc[m][i][e];
-          if (MODE == kHidden) {
-            out.store(row, col, silu(s + (w_time != nullptr ? t * w_time[col] : 0.f) + bias[col]));
-          } else {
-            float* o = x32 + row * out.ld + col;
-            *o = euler_step(*o, dt, s + bias[col]);
-            out.store(row, col, *o);
-          }
-        }
-  };
-
-  // The previous layer's last chunks may still be read from wbuf, and its
-  // output (this layer's input) written: wait for every warp.
-  __syncthreads();
-  issue(0);
-  issue(1);
-  if (KEEP == 0) {
-    for (int p = 0; p < passes; ++p) {
-      float acc[2][4][4];
-      run_pass(acc, p);
-      epilogue(acc, p);
-    }
+  if (MODE == kHidden) {
+    tm::tiled_layer<KEEP>(in, Kp, Wp, N, wbuf, [&](int row, int col, float s) {
+      out.store(row, col, silu(s + (w_time != nullptr ? t * w_time[col] : 0.f) + bias[col]));
+    });
   } else {
-    float acc[KEEP > 0 ? KEEP : 1][2][4][4];
-#pragma unroll
-    for (int p = 0; p < KEEP; ++p) run_pass(acc[p], p);
-    __syncthreads();  // every warp is past its last read of `in` == `out`
-#pragma unroll
-    for (int p = 0; p < KEEP; ++p) epilogue(acc[p], p);
+    tm::tiled_layer<KEEP>(in, Kp, Wp, N, wbuf, [&](int row, int col, float s) {
+      float* o = x32 + row * out.ld + col;
+      *o = euler_step(*o, dt, s + bias[col]);
+      out.store(row, col, *o);
+    });
   }
 }
 
@@ -312,9 +185,9 @@ void launch_tiled(const FlowEulerCall& c) {
   Tensor packed = empty_like_device(c.x, {s1 + s2 + s3});
   float* pw = mdata<float>(packed);
   cuda::BFragmentsBatch batch{};
-  batch.m[0] = {a.w1, a.D + 1, a.H, a.D, kD, kPassTiles, pw};
-  batch.m[1] = {a.w2, a.H, a.H, a.H, kH, kPassTiles, pw + s1};
-  batch.m[2] = {a.w3, a.H, a.D, a.H, kH, kPassTiles, pw + s1 + s2};
+  batch.m[0] = tm::packed_layer(a.w1, a.D + 1, a.H, a.D, a.KpD, pw);
+  batch.m[1] = tm::packed_layer(a.w2, a.H, a.H, a.H, a.KpH, pw + s1);
+  batch.m[2] = tm::packed_layer(a.w3, a.H, a.D, a.H, a.KpH, pw + s1 + s2);
   cuda::pack_b_fragments(stream, batch, 3);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   a.pw1 = pw, a.pw2 = pw + s1, a.pw3 = pw + s1 + s2;

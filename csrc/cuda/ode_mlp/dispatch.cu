@@ -1,6 +1,12 @@
 // \brief fused_ops::ode_mlp on CUDA: the entry point, its argument checks and
 // the path table that chooses the kernel (csrc/ode_mlp.h for the math).
 //
+// "split" runs the seed field (D = 64, widths 256, 256, 64, SiLU, float32)
+// at small B with 4 or 2 blocks of a cluster per row, every weight in
+// registers (cuda/ode_mlp/split.cu); "cluster" runs small float32 batches in
+// one thread-block cluster, weights resident in its shared memory
+// (cuda/ode_mlp/cluster.cu); "tiled" runs every step, stage and layer in one
+// launch on 3xTF32 tensor cores, a block per 32 rows (cuda/ode_mlp/tiled.cu);
 // "stepwise" runs the step sequence of csrc/ode_mlp_core.h with cuBLAS
 // products over the whole batch (cuda/ode_mlp/stepwise.cu); "shared" and
 // "general" run cuda/ode_mlp/general.cu's fused kernel (all steps, stages and
@@ -22,9 +28,24 @@ namespace {
 
 namespace op = ode_mlp_paths;
 
-const dispatch::PathTable<OdeMlpCall, 3> kOdeMlpPaths(
+// tiled comes first where it applies: one launch, and its products run on
+// tensor cores (3xTF32: float32 accuracy) where shared/general run one
+// CUDA-core dot product per thread and stepwise pays a launch per layer and
+// stage; it takes every float32 call whose tile fits (hidden widths up to
+// 512 at small D, 416 at D = 64 rk4), wider ones fall through.  Not
+// measured yet: tools/ode_path_sweep.py forces every path to set the rule.
+const dispatch::PathTable<OdeMlpCall, 6> kOdeMlpPaths(
     "ode_mlp", "cuda",
     {{
+        {"split", "float32, D=64, widths 256, 256, 64, SiLU, sm_90, 2B <= SMs (4 blocks per row if 4B <= SMs)",
+         "the seed field at small B: every weight in registers, layer 2 split over 4 (or 2) blocks per row",
+         op::split_applies, op::launch_split},
+        {"cluster", "float32, sm_90, B <= 32, every layer's weight slices fit one block of a 16- or 8-block cluster",
+         "small batches: weights resident in a cluster's shared memory, one barrier per layer, one launch",
+         op::cluster_applies, op::launch_cluster},
+        {"tiled", "float32, sm_80+, a 32-row tile + 2-3 weight chunks of 32 KB fit shared memory, hidden widths <= 512",
+         "tensor cores at float32 accuracy (3xTF32), weights streamed from L2, one launch",
+         op::tiled_applies, op::launch_tiled},
         {"stepwise", "B >= 512 and (a row's field evaluation >= 6e4 multiply-adds or B >= 16384)",
          "wide layers or many rows: one cuBLAS product per layer and stage over all rows",
          op::stepwise_applies, op::launch_stepwise},

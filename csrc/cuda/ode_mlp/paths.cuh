@@ -21,6 +21,18 @@ constexpr int64_t kStepwiseMinRows = 512;
 constexpr int64_t kStepwiseManyRows = 16384;
 constexpr double kStepwiseWideMacs = 6e4;
 
+// split: float32, sm_90, D = 64, widths 256, 256, 64, SiLU, 4 (or 2) blocks
+// per row all resident (4B <= SMs, else 2B <= SMs) (split.cu).
+bool split_applies(const OdeMlpCall& c);
+void launch_split(const OdeMlpCall& c);
+// cluster: float32, sm_90, B <= 32, the weight slices fit a 16- or 8-block cluster (cluster.cu).
+bool cluster_applies(const OdeMlpCall& c);
+void launch_cluster(const OdeMlpCall& c);
+// tiled (tiled.cu): float32, sm_80+, a 32-row tile's working set and two
+// or three 32 KB weight chunks fit shared memory, hidden layers after the
+// first at most 512 wide.  Any B.
+bool tiled_applies(const OdeMlpCall& c);
+void launch_tiled(const OdeMlpCall& c);
 bool stepwise_applies(const OdeMlpCall& c);
 void launch_stepwise(const OdeMlpCall& c);  // cuBLAS products over the batch, float32 and float64
 bool shared_applies(const OdeMlpCall& c);

@@ -25,6 +25,17 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 #endif
 }
 
+// 4 bytes from global `src` to shared `dst` (cached in L1: .ca is the only
+// form for sizes below 16), both 4-byte aligned.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src) : "memory");
+#else
+  __trap();
+#endif
+}
+
 // Closes this thread's group of copies issued since the last commit (an
 // empty group is fine: it keeps group counts uniform across iterations).
 __device__ __forceinline__ void cp_async_commit() {

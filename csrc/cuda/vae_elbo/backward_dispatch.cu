@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "common/dispatch.h"
+#include "common/low_precision.h"
 #include "cuda/vae_elbo/backward_paths.cuh"
 
 namespace fused_ops {
@@ -48,8 +49,18 @@ VaeElboBackwardResult vae_elbo_backward_cuda(
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
     const Tensor& b_dec2, int64_t likelihood) {
   const cuda::TensorDeviceGuard guard(x);
+  if (is_bfloat16(x)) {  // checked, then the float32 backward on float32 copies
+    check_vae_elbo_backward_bfloat16(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu,
+                                     b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                                     likelihood);
+    return low_precision::in_float32(ScalarType::BFloat16, vae_elbo_backward_cuda, grad_elbo,
+                                     grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
+                                     w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
+                                     likelihood);
+  }
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
-                        w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2);
+                        w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, /*with_grad_x=*/true,
+                        /*allow_bfloat16=*/true);  // the messages of the bfloat16-taking op
   c.likelihood = check_vae_likelihood(likelihood);
   FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
   dispatch_float(x.scalar_type(), [&](auto zero) {

@@ -4,15 +4,20 @@
 // The table (common/dispatch.h) lists the paths in order of preference; a
 // call takes the first whose condition holds (or the one forced through
 // fused_ops._paths / FUSED_OPS_FORCE_PATH).  Each path is one file of this
-// folder; docs/vae_elbo.md describes them and the variants they replaced.
+// folder (tiled_bf16 is tiled.cu's kernel on bfloat16 operands);
+// docs/vae_elbo.md describes them and the variants they replaced.
+// All-bfloat16 calls take tiled_bf16 or the float32 table on float32 copies
+// (vae_elbo_cuda below).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
 #include <climits>
+#include <cstring>
 #include <type_traits>
 
 #include "common/dispatch.h"
+#include "common/low_precision.h"
 #include "cuda/vae_elbo/paths.cuh"
 
 namespace fused_ops {
@@ -27,7 +32,12 @@ bool bernoulli_and(const Launch& l) {
   return l.c.likelihood == kBernoulli && Applies(l);
 }
 
-const dispatch::PathTable<Launch, 4> kPaths("vae_elbo", "cuda", {{
+const dispatch::PathTable<Launch, 5> kPaths("vae_elbo", "cuda", {{
+    {"tiled_bf16",
+     "Bernoulli likelihood, bfloat16, B >= 2048, sm_80+, H % 16 == 0, H <= 256, a 64-row tile fits "
+     "in shared memory",
+     "bf16 mma.sync with float32 accumulation, bfloat16 operands in memory: large bfloat16 batches",
+     bernoulli_and<vae_elbo_kernels::tiled_bf16_applies>, vae_elbo_kernels::launch_tiled_bf16},
     {"wgmma",
      "Bernoulli likelihood, float32, B >= 2048, H == 256, L <= 32, sm_90a build on a compute "
      "capability 9.0 GPU",
@@ -56,8 +66,9 @@ VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_
                             const Tensor& b_dec1, const Tensor& w_dec2, const Tensor& b_dec2,
                             int64_t likelihood) {
   const cuda::TensorDeviceGuard guard(x);
+  const bool bf16 = is_bfloat16(x);
   VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
-                b_dec2);
+                b_dec2, /*allow_bfloat16=*/true);
   c.likelihood = check_vae_likelihood(likelihood);
   FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
   FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
@@ -65,6 +76,26 @@ VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_
                   "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
                   ", L=", c.L);
   if (c.B == 0) return c.result();
+  if (bf16) {
+    // bfloat16 reaches the table only for tiled_bf16: chosen (no path
+    // forced) or forced (then the table refuses it where it does not
+    // apply).  Any other call, a forced float32 path included, runs the
+    // float32 table on float32 copies (common/low_precision.h), outputs
+    // rounded to bfloat16.
+    Launch l{c, false, {}};
+    l.bf16 = true;
+    l.ab = vae_elbo_kernels::make_args<__nv_bfloat16>(c);
+    const char* forced = kPaths.forced_name();
+    const bool take = forced ? std::strcmp(forced, "tiled_bf16") == 0
+                             : bernoulli_and<vae_elbo_kernels::tiled_bf16_applies>(l);
+    if (take) {
+      kPaths.run(l);
+      return c.result();
+    }
+    return low_precision::in_float32(ScalarType::BFloat16, vae_elbo_cuda, c.x, c.eps, c.w_enc,
+                                     c.b_enc, c.w_mu, c.b_mu, c.w_logvar, c.b_logvar, c.w_dec1,
+                                     c.b_dec1, c.w_dec2, c.b_dec2, likelihood);
+  }
   dispatch_float(x.scalar_type(), [&](auto zero) {
     if constexpr (std::is_same_v<decltype(zero), float>) {
       kPaths.run(Launch{c, true, vae_elbo_kernels::make_args<float>(c)});

@@ -1,4 +1,4 @@
-// \brief What the four CUDA paths of fused_ops::vae_elbo share: the kernels'
+// \brief What the five CUDA paths of fused_ops::vae_elbo share: the kernels'
 // argument struct, the one call type of the dispatch table (dispatch.cu),
 // the launchers' and predicates' declarations, and the device helpers every
 // kernel uses (ReLU, a row's three outputs).
@@ -16,6 +16,8 @@
 // expf (the build uses no fast math) and the BCE term of common/bce.h, with
 // PyTorch's clamp of each log at -100.
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include <cstdint>
 
@@ -70,6 +72,11 @@ struct Launch {
   mutable bool planned = false;
   mutable ClusterPlan plan;
   mutable int device = 0;  // the current device, with the plan
+  // bfloat16 calls (f32 false): their arguments; they reach the table only
+  // when tiled_bf16 takes them (dispatch.cu), the others run the float32
+  // table on float32 copies.
+  bool bf16 = false;
+  Args<__nv_bfloat16> ab{};
 };
 
 // wgmma.cu (sm_90a build only; false otherwise)
@@ -78,6 +85,8 @@ void launch_wgmma(const Launch& l);
 // tiled.cu
 bool tiled_applies(const Launch& l);
 void launch_tiled(const Launch& l);
+bool tiled_bf16_applies(const Launch& l);
+void launch_tiled_bf16(const Launch& l);
 // cluster.cu
 bool cluster_applies(const Launch& l);
 void launch_cluster(const Launch& l);

@@ -1,7 +1,11 @@
 // \brief fused_ops::vae_mlp_elbo on CUDA: the entry point and its path table
 // (csrc/vae_mlp.h for the math).
 //
-// One path, "cublas": csrc/vae_mlp_core.h's forward over all B rows at once,
+// "cluster" (cuda/vae_mlp/cluster.cu) runs small float32 batches
+// (B <= 512 unless forced) on sm_90 in one launch of thread-block clusters,
+// every layer split across a cluster's CTAs by neurons.
+//
+// "cublas": csrc/vae_mlp_core.h's forward over all B rows at once,
 // one cuBLAS product per layer (through common/matmul.h, on torch's current
 // stream; the head's mu and logvar in one product, its weight [2L, H]), each
 // followed by one fused kernel of cuda/vae_mlp/ops.cuh: bias + activation
@@ -25,6 +29,12 @@
 #include "vae_mlp_core.h"
 
 namespace fused_ops {
+namespace vae_mlp_paths {
+// cluster.cu
+bool cluster_applies(const VaeMlpCall& c);
+void launch_cluster(const VaeMlpCall& c);
+}  // namespace vae_mlp_paths
+
 namespace {
 
 void launch_cublas(const VaeMlpCall& c) {
@@ -39,9 +49,15 @@ void launch_cublas(const VaeMlpCall& c) {
   });
 }
 
-const dispatch::PathTable<VaeMlpCall, 1> kVaeMlpPaths(
+const dispatch::PathTable<VaeMlpCall, 2> kVaeMlpPaths(
     "vae_mlp_elbo", "cuda",
     {{
+        {"cluster",
+         "float32, sm_90, B <= 512 (any B when forced), a 16-row tile's activations fit shared memory, "
+         "an 8- or 16-CTA cluster co-schedules",
+         "small batches in one launch: layers split across a cluster's CTAs, activations exchanged in "
+         "distributed shared memory",
+         vae_mlp_paths::cluster_applies, vae_mlp_paths::launch_cluster},
         {"cublas", "anything",
          "any depth, widths, activation and likelihood: cuBLAS products with fused epilogue kernels",
          dispatch::always<VaeMlpCall>, launch_cublas},
