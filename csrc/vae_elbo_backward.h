@@ -12,6 +12,7 @@
 #include <tuple>
 #include <utility>
 
+#include "common/low_precision.h"
 #include "vae_elbo.h"
 
 namespace fused_ops {
@@ -69,12 +70,15 @@ struct VaeElboBackwardCall : VaeElboInputs {
   }
 };
 
-// The backward's checks for bfloat16 inputs, before the cast to float32
-// (common/low_precision.h): the forward's rules with bfloat16 allowed, and
-// each upstream gradient in x's dtype, so a mixed call is refused by name
-// (ranks and sizes are checked again, on the float32 copies, by
-// VaeElboBackwardCall).
-inline void check_vae_elbo_backward_bfloat16(
+// The backward of bfloat16 inputs: checked first (the forward's rules with
+// bfloat16 allowed, and each upstream gradient in x's dtype, so a mixed call
+// is refused by name; ranks and sizes are checked again, on the float32
+// copies, by VaeElboBackwardCall), then `impl` (the device's backward, its
+// whole float32 path table) on float32 copies, the gradients rounded to
+// bfloat16 (common/low_precision.h).
+template <typename Impl>
+VaeElboBackwardResult vae_elbo_backward_bfloat16(
+    Impl impl,
     const std::optional<Tensor>& grad_elbo, const std::optional<Tensor>& grad_recon,
     const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
     const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
@@ -91,6 +95,9 @@ inline void check_vae_elbo_backward_bfloat16(
     check_same_float_dtype_and_device({{x, "x"}, {*g, name}}, /*allow_bfloat16=*/true);
   }
   check_vae_likelihood(likelihood);
+  return low_precision::in_float32(ScalarType::BFloat16, impl, grad_elbo, grad_recon, grad_kl, x, eps,
+                                   w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1,
+                                   w_dec2, b_dec2, likelihood);
 }
 
 }  // namespace fused_ops

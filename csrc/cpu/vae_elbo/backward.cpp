@@ -34,7 +34,6 @@
 #include <vector>
 
 #include "common/likelihood.h"
-#include "common/low_precision.h"
 #include "common/matmul.h"
 #include "vae_elbo_backward.h"
 
@@ -256,13 +255,9 @@ VaeElboBackwardResult vae_elbo_backward_cpu(
     const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
     const Tensor& b_dec2, int64_t likelihood) {
   if (is_bfloat16(x)) {  // checked, then the float32 backward on float32 copies
-    check_vae_elbo_backward_bfloat16(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu,
-                                     b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
-                                     likelihood);
-    return low_precision::in_float32(ScalarType::BFloat16, vae_elbo_backward_cpu, grad_elbo,
-                                     grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
-                                     w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
-                                     likelihood);
+    return vae_elbo_backward_bfloat16(vae_elbo_backward_cpu, grad_elbo, grad_recon, grad_kl, x, eps, w_enc,
+                                      b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1,
+                                      w_dec2, b_dec2, likelihood);
   }
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, /*with_grad_x=*/true,

@@ -15,7 +15,6 @@
 #include <type_traits>
 
 #include "common/dispatch.h"
-#include "common/low_precision.h"
 #include "cuda/vae_elbo/backward_paths.cuh"
 
 namespace fused_ops {
@@ -50,13 +49,9 @@ VaeElboBackwardResult vae_elbo_backward_cuda(
     const Tensor& b_dec2, int64_t likelihood) {
   const cuda::TensorDeviceGuard guard(x);
   if (is_bfloat16(x)) {  // checked, then the float32 backward on float32 copies
-    check_vae_elbo_backward_bfloat16(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu,
-                                     b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
-                                     likelihood);
-    return low_precision::in_float32(ScalarType::BFloat16, vae_elbo_backward_cuda, grad_elbo,
-                                     grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
-                                     w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2,
-                                     likelihood);
+    return vae_elbo_backward_bfloat16(vae_elbo_backward_cuda, grad_elbo, grad_recon, grad_kl, x, eps, w_enc,
+                                      b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1,
+                                      w_dec2, b_dec2, likelihood);
   }
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, /*with_grad_x=*/true,

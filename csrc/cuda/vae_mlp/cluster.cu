@@ -60,7 +60,7 @@
 #include "cuda/primitives/dependent_launch.cuh"
 #include "cuda/primitives/mbarrier.cuh"
 #include "cuda/primitives/runtime.cuh"
-#include "cuda/vae_elbo/cluster_products.cuh"
+#include "cuda/vae_elbo/cluster_exchange.cuh"
 #include "vae_mlp.h"
 
 namespace fused_ops {
@@ -68,10 +68,14 @@ namespace vae_mlp_paths {
 namespace {
 
 namespace cg = cooperative_groups;
+using vae_elbo_kernels::cluster_size_for;
+using vae_elbo_kernels::exchange_bytes;
 using vae_elbo_kernels::kNB;
 using vae_elbo_kernels::kRows;
 using vae_elbo_kernels::kThreads;
 using vae_elbo_kernels::kWarps;
+using vae_elbo_kernels::Slice;
+using vae_elbo_kernels::slice_of;
 using vae_elbo_kernels::split_linear;
 using vae_elbo_kernels::warp_linear;
 
@@ -108,16 +112,6 @@ struct Args {
       off_klall, off_bars, smem;
 };
 
-// [begin, end) of part p when n items are cut into `parts` contiguous slices.
-struct Slice {
-  int begin, end;
-};
-__host__ __device__ __forceinline__ Slice slice_of(int n, int parts, int p) {
-  const int per = (n + parts - 1) / parts;
-  const int b = min(n, p * per);
-  return {b, min(n, b + per)};
-}
-
 // Widest exchanged activation (hidden widths and L): the ping-pong buffers' width.
 int widest(const VaeMlpCall& c) {
   int64_t w = c.L;
@@ -153,38 +147,6 @@ void layout(Args& a, int wmax) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Bytes the other CTAs push into this one's copy of a [kRows, N] buffer
-// when this CTA owns the columns s: everything else.
-__device__ __forceinline__ uint32_t exchange_bytes(int N, Slice s) {
-  return uint32_t(kRows) * uint32_t(N - (s.end - s.begin)) * uint32_t(sizeof(float));
-}
-
-// Pushes this CTA's columns s of buf [kRows, N] (row stride N) into the
-// other CTAs' copies by st.async, float4 runs where the columns allow, each
-// completing on the destination's copy of `bar` (vae_elbo's push_slice).
-__device__ __forceinline__ void push_slice(float* buf, int N, Slice s, int C, int rank, uint64_t* bar) {
-  const int n = s.end - s.begin;
-  if (n <= 0) return;
-  float* const src = buf + s.begin;
-  if (N % 4 == 0 && s.begin % 4 == 0 && n % 4 == 0) {
-    const int n4 = n / 4, per_dst = kRows * n4;
-    for (int idx = threadIdx.x; idx < (C - 1) * per_dst; idx += kThreads) {
-      const int d = idx / per_dst, rest = idx - d * per_dst;
-      const int r = rest / n4, q = rest - r * n4;
-      float4* const p = reinterpret_cast<float4*>(src + r * N) + q;
-      cuda::st_async(p, *p, bar, d + (d >= rank));
-    }
-  } else {
-    const int per_dst = kRows * n;
-    for (int idx = threadIdx.x; idx < (C - 1) * per_dst; idx += kThreads) {
-      const int d = idx / per_dst, rest = idx - d * per_dst;
-      const int r = rest / n, q = rest - r * n;
-      float* const p = src + r * N + q;
-      cuda::st_async(p, *p, bar, d + (d >= rank));
-    }
-  }
-}
-
 // A double into rank 0's copy of *dst, completing its 8 bytes on rank 0's *bar.
 __device__ __forceinline__ void push_double(double* dst, double v, uint64_t* bar) {
   const unsigned long long u = __double_as_longlong(v);
@@ -305,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) vae_mlp_cluster_kernel(const Args a)
       }
     }
     if (t == 0) cluster.barrier_wait(std::move(started));  // every CTA runs: pushes may start
-    push_slice(out, N, s, C, rank, bars + t);
+    vae_elbo_kernels::push_slice(out, N, s, C, rank, bars + t);
     cuda::mbarrier_wait(bars + t, 0);  // (this CTA's own slice: the block barrier above)
     in = out;
     K = N;
@@ -385,18 +347,6 @@ struct Plan {
   int cluster = 0;  // 0: the path does not apply
   size_t smem = 0;
 };
-
-// vae_elbo's rule (cuda/vae_elbo/cluster.cu, cluster_size_for): 16 CTAs when
-// every tile's cluster can have SMs of its own (a 16-CTA cluster takes most
-// of a GPC; an H200 hosts seven at one CTA per SM), else 8; 0 if neither fits.
-int cluster_size_for(Kernel kernel, size_t smem, int64_t tiles) {
-  const bool fits8 = cuda::cluster_fits(kernel, 8, kThreads, smem);
-  if (cuda::cluster_fits(kernel, 16, kThreads, smem)) {
-    const int own_sms = cuda::max_active_clusters(kernel, 16, kThreads, cuda::max_shared_memory_per_block());
-    if (tiles <= own_sms || !fits8) return 16;
-  }
-  return fits8 ? 8 : 0;
-}
 
 Plan plan_cluster(int64_t act, int smem_bytes, bool vec, int64_t tiles) {
   Plan plan;
