@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "cuda/primitives/ldmatrix.cuh"
 #include "cuda/primitives/reductions.cuh"  // kWarpSize
 
 namespace fused_ops {
@@ -69,26 +70,6 @@ struct Bf16Rows {
     p[r * ld + c] = __float2bfloat16_rn(v);
   }
 };
-
-// This lane's ldmatrix row address within a 16-row, 16-column A tile:
-// lanes 8j..8j+7 address the rows of matrix j (rows 0-7 | 8-15, columns
-// +0 | +8), in elements.
-__device__ __forceinline__ int ldmatrix_lane_offset_b16(int ld) {
-  const int lane = threadIdx.x % kWarpSize;
-  return ((lane & 7) + (lane & 8)) * ld + (lane >> 4) * 8;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-#else
-  __trap();
-#endif
-}
 
 // B operands (bfloat16 weights, nn.Linear's [N, K] layout) packed once per
 // call in m16n8k16's fragment order: for k-step s (16 columns) and n8-tile

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "cuda/primitives/ldmatrix.cuh"
 #include "cuda/primitives/reductions.cuh"  // kWarpSize
 
 namespace fused_ops {
@@ -88,26 +89,6 @@ struct SplitRows {
     big[plane_floats + r * ld + c] = __uint_as_float(s.small);
   }
 };
-
-// This lane's ldmatrix row address within a 16-row, 8-column A tile: lanes
-// 8j..8j+7 address the rows of tile j (tiles: rows 0-7 | 8-15, columns
-// +0 | +4).
-__device__ __forceinline__ int ldmatrix_lane_offset(int ld) {
-  const int lane = threadIdx.x % kWarpSize;
-  return ((lane & 7) + (lane & 8)) * ld + (lane >> 4) * 4;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const float* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-#else
-  __trap();
-#endif
-}
 
 // acc[m][n] += A_m * B_n at float32 accuracy for M x N tiles (n < n_valid)
 // from operands split ahead of time: per tile small_a*big_b, then

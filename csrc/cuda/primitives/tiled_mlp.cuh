@@ -78,7 +78,7 @@ __device__ __forceinline__ void tiled_layer(const SplitRows in, int Kp, const fl
   const int g = lane / 4, tq = lane % 4;
   const int kchunks = Kp / kKChunk, passes = (N + kPassCols - 1) / kPassCols;
   const int num_chunks = kchunks * passes;
-  const float* a_lane = in.big + ldmatrix_lane_offset(in.ld);
+  const float* a_lane = in.big + ldmatrix_lane_offset<float>(in.ld);
   static_assert(STAGES == 2 || STAGES == 3, "chunk buffers: two or three");
 
   // Chunk q's copies into buffer q % STAGES, one commit group per chunk

@@ -76,7 +76,7 @@ struct Tf32x3 {
   // Floats of shared memory for n A elements: two float planes.
   __host__ __device__ static constexpr int floats(int n) { return 2 * n; }
   __device__ static Rows rows(float* p, int ld) { return {p, ld, kTileRows * ld}; }
-  __device__ static const float* lane_base(const Rows& A) { return A.big + cuda::ldmatrix_lane_offset(A.ld); }
+  __device__ static const float* lane_base(const Rows& A) { return A.big + cuda::ldmatrix_lane_offset<float>(A.ld); }
   __device__ static BFrag zero_b() { return make_float4(0.f, 0.f, 0.f, 0.f); }
   __device__ static float load(const float* p) { return __ldg(p); }
   // part += A[rows, col..col+8) * B over one k-step.
@@ -117,7 +117,7 @@ struct Bf16 {
   __host__ __device__ static constexpr int floats(int n) { return n / 2; }
   __device__ static Rows rows(float* p, int ld) { return {reinterpret_cast<__nv_bfloat16*>(p), ld}; }
   __device__ static const __nv_bfloat16* lane_base(const Rows& A) {
-    return A.p + cuda::ldmatrix_lane_offset_b16(A.ld);
+    return A.p + cuda::ldmatrix_lane_offset<__nv_bfloat16>(A.ld);
   }
   __device__ static BFrag zero_b() { return make_uint2(0u, 0u); }
   __device__ static float load(const __nv_bfloat16* p) { return __bfloat162float(__ldg(p)); }
