@@ -391,7 +391,7 @@ def test_empty_batch_and_single_time(device):
 # ---------------------------------------------------------------------------
 
 _FUSED_SIZES = [(1, 1, [3]), (37, 2, [64, 64, 64]), (1000, 5, [33, 17]), (17, 3, [700, 700])]
-# stepwise applies from 512 rows with >= 6e4 multiply-adds per row (or from 16384 rows).
+# stepwise runs any size when forced.
 _PATH_SIZES = ([(p, s) for p in ("shared", "general") for s in _FUSED_SIZES]
                + [("stepwise", (1000, 5, [256, 256])), ("stepwise", (600, 2, [512, 512, 512]))])
 
@@ -527,9 +527,11 @@ def test_cuda_tiled_options(shape, all_states, cond, down):
 @requires_cuda
 @pytest.mark.parametrize("size,dtype,want", [
     ((256, 2, [64, 64, 64]), F32, "tiled"), ((4096, 64, [256, 256]), F32, "tiled"),
-    ((1024, 2, [512, 512, 512, 512]), F32, "tiled"), ((600, 2, [600, 600]), F32, "stepwise"),
+    ((1024, 2, [512, 512, 512, 512]), F32, "stepwise"), ((4096, 2, [512, 512, 512, 512]), F32, "tiled"),
+    ((32768, 2, [64, 64, 64]), F32, "stepwise"), ((600, 2, [600, 600]), F32, "stepwise"),
     ((256, 2, [64, 64, 64]), F64, "shared"),
-], ids=["f32-small", "f32-seed", "f32-flow-matching", "f32-too-wide", "f64"])
+], ids=["f32-small", "f32-seed", "f32-flow-matching-few-tiles", "f32-flow-matching", "f32-narrow-many-rows",
+        "f32-too-wide", "f64"])
 def test_cuda_tiled_natural_choice(size, dtype, want):
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("the tiled path needs compute capability 8.0")

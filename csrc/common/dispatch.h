@@ -61,6 +61,16 @@ inline TableInfo* find_table(const char* op, const char* device) {
   return nullptr;
 }
 
+// Whether `path` of (op, device)'s table is forced (fused_ops._paths.force):
+// for a path whose natural condition holds a measured preference on top of
+// what it can run (a batch-size range, a crossover with another path), so
+// that forcing it reaches every size it computes correctly.
+inline bool is_forced(const char* op, const char* device, const char* path) {
+  const TableInfo* t = find_table(op, device);
+  const int f = t ? t->forced.load(std::memory_order_relaxed) : -1;
+  return f >= 0 && std::strcmp(t->names[size_t(f)], path) == 0;
+}
+
 template <typename Call>
 struct Path {
   const char* name;  // what tests and FUSED_OPS_FORCE_PATH call it

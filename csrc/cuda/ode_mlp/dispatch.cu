@@ -28,12 +28,12 @@ namespace {
 
 namespace op = ode_mlp_paths;
 
-// tiled comes first where it applies: one launch, and its products run on
-// tensor cores (3xTF32: float32 accuracy) where shared/general run one
-// CUDA-core dot product per thread and stepwise pays a launch per layer and
-// stage; it takes every float32 call whose tile fits (hidden widths up to
-// 512 at small D, 416 at D = 64 rk4), wider ones fall through.  Not
-// measured yet: tools/ode_path_sweep.py forces every path to set the rule.
+// split and cluster take the small batches they serve (the seed field;
+// B <= 32); stepwise comes before tiled where the forced sweep measured its
+// cuBLAS products faster (paths.cuh: wide layers on few row tiles, narrow
+// layers on very many rows); tiled then takes every float32 call whose tile
+// fits (hidden widths up to 512), where shared/general run one CUDA-core dot
+// product per thread; float64 and wider layers fall through.
 const dispatch::PathTable<OdeMlpCall, 6> kOdeMlpPaths(
     "ode_mlp", "cuda",
     {{
@@ -43,12 +43,13 @@ const dispatch::PathTable<OdeMlpCall, 6> kOdeMlpPaths(
         {"cluster", "float32, sm_90, B <= 32, every layer's weight slices fit one block of a 16- or 8-block cluster",
          "small batches: weights resident in a cluster's shared memory, one barrier per layer, one launch",
          op::cluster_applies, op::launch_cluster},
+        {"stepwise", "B >= 512 and: a row's evaluation >= 4e5 multiply-adds below 2048 rows, widths <= 128 from "
+                     "32768 rows, or tiled refused and (>= 6e4 multiply-adds or B >= 16384); forced: any",
+         "wide layers or many rows: one cuBLAS product per layer and stage over all rows",
+         op::stepwise_applies, op::launch_stepwise},
         {"tiled", "float32, sm_80+, a 32-row tile + 2-3 weight chunks of 32 KB fit shared memory, hidden widths <= 512",
          "tensor cores at float32 accuracy (3xTF32), weights streamed from L2, one launch",
          op::tiled_applies, op::launch_tiled},
-        {"stepwise", "B >= 512 and (a row's field evaluation >= 6e4 multiply-adds or B >= 16384)",
-         "wide layers or many rows: one cuBLAS product per layer and stage over all rows",
-         op::stepwise_applies, op::launch_stepwise},
         {"shared", "a 16-row tile's working set 16 (D (stages + 2) + 2 Hmax) fits shared memory",
          "activations on chip across all steps and stages, one launch", op::shared_applies,
          op::launch_shared},

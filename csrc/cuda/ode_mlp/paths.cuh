@@ -7,17 +7,26 @@
 namespace fused_ops {
 namespace ode_mlp_paths {
 
-// stepwise: from kStepwiseMinRows rows, when a row's evaluation of the field
-// takes at least kStepwiseWideMacs multiply-adds (a 256 x 256 hidden layer),
-// or from kStepwiseManyRows rows at any width.  Below, the fused kernel's one
-// launch beats the products' launches: its tiles all run in one wave, so its
-// time hardly grows with B until the grid passes a few waves (16 rows per
-// block), while the products cost a launch each.  Measured crossovers (H200,
-// D=2, midpoint, 20 steps: tools/ode_path_sweep.py,
-// bench/results/nvidia-h200-ode-path-sweep.md): widths 256 and 512 favour
-// stepwise from 512 rows (1.8-10x); widths 64 and 128 favour the fused
-// kernel up to 4096 rows and stepwise from 16384 (1.5-4x).
+// stepwise (natural choice; forced, it runs any size): from
+// kStepwiseMinRows rows where the forced sweep (tools/ode_path_sweep.py,
+// H200, D=2, midpoint, 20 steps: bench/results/nvidia-h200-ode-path-sweep.md)
+// measured it faster than tiled, else where tiled cannot run and the
+// products beat the fused kernel:
+// - wide layers on few row tiles: a row's evaluation >= kStepwiseFewTilesMacs
+//   multiply-adds (four 512-wide layers) below kStepwiseFewTilesRows rows,
+//   where tiled's blocks (32 rows each) do not fill the GPU and each streams
+//   every weight from L2 (1024 rows at widths 512: 4.8 ms against 7.2);
+// - narrow layers on very many rows: hidden widths <= kStepwiseNarrowWidth
+//   from kStepwiseNarrowRows rows (65536 rows at width 64: 6.1 ms against 8.3);
+// - where tiled does not apply (float64, in-place layers wider than 512):
+//   a row's evaluation >= kStepwiseWideMacs multiply-adds, or from
+//   kStepwiseManyRows rows at any width; below, the fused kernel's one
+//   launch beats the products' launches.
 constexpr int64_t kStepwiseMinRows = 512;
+constexpr double kStepwiseFewTilesMacs = 4e5;
+constexpr int64_t kStepwiseFewTilesRows = 2048;
+constexpr int64_t kStepwiseNarrowWidth = 128;
+constexpr int64_t kStepwiseNarrowRows = 32768;
 constexpr int64_t kStepwiseManyRows = 16384;
 constexpr double kStepwiseWideMacs = 6e4;
 

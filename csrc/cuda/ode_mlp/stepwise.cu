@@ -2,11 +2,10 @@
 // over the whole batch, its products cuBLAS calls (common/matmul.h, torch's
 // current stream), its elementwise work the kernels of cuda/ode_mlp/ops.cuh.
 //
-// When chosen: wide layers from 512 rows, any layers from 16384 rows
-// (paths.cuh: stepwise_applies, with the measured crossovers),
-// where one cuBLAS product per layer and stage over all B rows runs the
-// hidden layers far faster than the fused kernel's one dot product per
-// thread, and the launches (about stages (2 L + 1) + 1 per step) cost little
+// When chosen: paths.cuh's rule (stepwise_applies), set from the measured
+// crossovers with tiled and the fused kernel: where one cuBLAS product per
+// layer and stage over all B rows beats the one-launch kernels, and the
+// launches (about stages (2 L + 1) + 1 per step) cost little
 // beside the products.  Memory: one stage's activations for all rows plus
 // the stage inputs and velocities, stages * B * 2 D + B sum H_l + 2 B D
 // elements.  float32 products follow torch.backends.cuda.matmul.allow_tf32
@@ -14,6 +13,7 @@
 // backward's products are.
 #include <cuda_runtime.h>
 
+#include "common/dispatch.h"
 #include "cuda/ode_mlp/ops.cuh"
 #include "cuda/ode_mlp/paths.cuh"
 #include "cuda/primitives/runtime.cuh"
@@ -23,10 +23,14 @@ namespace fused_ops {
 namespace ode_mlp_paths {
 
 bool stepwise_applies(const OdeMlpCall& c) {
+  if (dispatch::is_forced("ode_mlp", "cuda", "stepwise")) return true;
+  if (c.B < kStepwiseMinRows) return false;
   // Multiply-adds of one row's evaluation of the field (the time column is a bias).
   double macs = 0;
   for (int64_t l = 0; l < c.L; ++l) macs += double(c.widths[l]) * double(l ? c.widths[l - 1] : c.D);
-  return c.B >= kStepwiseMinRows && (macs >= kStepwiseWideMacs || c.B >= kStepwiseManyRows);
+  if (macs >= kStepwiseFewTilesMacs && c.B < kStepwiseFewTilesRows) return true;
+  if (c.Hmax <= kStepwiseNarrowWidth && c.B >= kStepwiseNarrowRows) return true;
+  return !tiled_applies(c) && (macs >= kStepwiseWideMacs || c.B >= kStepwiseManyRows);
 }
 
 void launch_stepwise(const OdeMlpCall& c) {

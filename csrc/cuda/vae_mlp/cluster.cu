@@ -403,18 +403,10 @@ Prepared prepare(const VaeMlpCall& c) {
   return p;
 }
 
-// Whether the user forced this path (fused_ops._paths.force): then the
-// batch-size preference below does not apply.
-bool forced_here() {
-  const dispatch::TableInfo* t = dispatch::find_table("vae_mlp_elbo", "cuda");
-  const int f = t ? t->forced.load(std::memory_order_relaxed) : -1;
-  return f >= 0 && std::strcmp(t->names[size_t(f)], "cluster") == 0;
-}
-
 }  // namespace
 
 bool cluster_applies(const VaeMlpCall& c) {
-  if (c.B > kClusterMaxBatch && !forced_here()) return false;
+  if (c.B > kClusterMaxBatch && !dispatch::is_forced("vae_mlp_elbo", "cuda", "cluster")) return false;
   return prepare(c).plan.cluster != 0;
 }
 
