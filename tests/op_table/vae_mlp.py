@@ -271,6 +271,7 @@ VAE_MLP = VaeMlpCase(
     natural=(PathCase("cluster", (128, 784, 512, 256, 64, 1, 3)), PathCase("cluster", (1, 4, 3, 2, 1, 1, 2)),
              PathCase("cublas", (600, 20, 17, 9, 4, 3, 2), note="B above the cluster path's 512"),
              PathCase("cublas", (70, 13, 11, 6, 3, 0, 3), F64)),
+    refused=(PathCase("cluster", (70, 13, 11, 6, 3, 0, 3), F64, note="float32 only"),),
     path_names=("cluster", "cublas"),
     sm90_paths=frozenset({"cluster"}),
     bwd_path_names=("cublas",),

@@ -7,8 +7,10 @@
 // update of the trajectory, and the gradient scalings/products fused with
 // their column sums.  Elementwise passes are split over rows and column sums
 // over column blocks with torch::stable::parallel_for; every column is summed
-// over its rows in row order by one task, so the results do not depend on the
-// number of threads.
+// over its rows in row order by one task, so these passes do not depend on
+// the number of threads; the BLAS products may (MKL's AVX-512 kernels split
+// long sums by thread count), so the gradients are bitwise repeatable at a
+// fixed thread count.
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
