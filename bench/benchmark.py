@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -378,6 +379,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "baselines only." % ", ".join(WORKLOADS))
     parser.add_argument("--sizes", choices=("default", "large", "all"), default="all",
                         help="problem sizes to run (default: all)")
+    parser.add_argument("--batch", type=int, default=None, metavar="B",
+                        help="time each selected size at batch size B instead of its own (e.g. "
+                             "--sizes default --batch 1024 for one row at B=1024)")
     parser.add_argument("--save", action="store_true",
                         help="write the results to bench/results/<device>[-train].{json,md,png} "
                              "(default: print the table only)")
@@ -456,6 +460,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sizes = ("default", "large") if args.sizes == "all" else (args.sizes,)
 
     workloads = select_workloads(args.ops)
+    if args.batch is not None:
+        if args.batch < 1:
+            raise SystemExit(f"error: --batch must be positive, got {args.batch}")
+        # Another batch size: the sizes' targets no longer apply.
+        workloads = [dataclasses.replace(w, sizes={k: {**v, "B": args.batch} for k, v in w.sizes.items()},
+                                         targets_us={}, train_speedup_targets={})
+                     for w in workloads if all("B" in v for v in w.sizes.values())]
     if not workloads:
         print("No workload has a fused implementation yet; name some with --ops.", file=sys.stderr)
         return 1
