@@ -416,6 +416,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             args.ops = ",".join(n[: -len(TRAIN_SUFFIX)] for n in names)
     if args.optimizer != "none" and not args.train:
         parser.error("--optimizer needs --train")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be positive, got {args.batch}")
     return args
 
 
@@ -430,6 +432,14 @@ def select_workloads(spec: Optional[str]) -> List[Workload]:
     if unknown:
         raise SystemExit(f"error: unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
     return [WORKLOADS[n] for n in dict.fromkeys(names)]
+
+
+def at_batch(workloads: List[Workload], batch: int) -> List[Workload]:
+    """``--batch``: the workloads whose sizes have a batch size ``B``, each
+    size at ``B = batch``, without the sizes' targets (set for their own B)."""
+    return [dataclasses.replace(w, sizes={k: {**v, "B": batch} for k, v in w.sizes.items()},
+                                targets_us={}, train_speedup_targets={})
+            for w in workloads if all("B" in v for v in w.sizes.values())]
 
 
 def import_fused_ops() -> None:
@@ -461,12 +471,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     workloads = select_workloads(args.ops)
     if args.batch is not None:
-        if args.batch < 1:
-            raise SystemExit(f"error: --batch must be positive, got {args.batch}")
-        # Another batch size: the sizes' targets no longer apply.
-        workloads = [dataclasses.replace(w, sizes={k: {**v, "B": args.batch} for k, v in w.sizes.items()},
-                                         targets_us={}, train_speedup_targets={})
-                     for w in workloads if all("B" in v for v in w.sizes.values())]
+        workloads = at_batch(workloads, args.batch)
     if not workloads:
         print("No workload has a fused implementation yet; name some with --ops.", file=sys.stderr)
         return 1

@@ -124,6 +124,18 @@ def test_train_ops_names_select_training_rows():
         benchmark.parse_args(["--optimizer", "adam"])
 
 
+def test_batch_option_rewrites_the_batch_size_and_drops_targets():
+    vae, is_ = benchmark.WORKLOADS["vae"], benchmark.WORKLOADS["importance_sampling"]
+    (got,) = benchmark.at_batch([vae, is_], 1024)  # importance_sampling has no B
+    assert got.name == "vae" and set(got.sizes) == set(vae.sizes)
+    assert all(p["B"] == 1024 and {**p, "B": vae.sizes[k]["B"]} == vae.sizes[k] for k, p in got.sizes.items())
+    assert got.targets_us == {} and got.train_speedup_targets == {}
+    assert vae.sizes["default"]["B"] == 128  # the table's own workload is unchanged
+    assert benchmark.parse_args(["--batch", "1024"]).batch == 1024
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--batch", "0"])
+
+
 def test_fused_compile_ro_sits_beside_fused_not_among_the_baselines():
     """The fused module under reduce-overhead (CUDA runs) is a second fused
     column: ordered after "fused", never a speed-up baseline."""
