@@ -6,6 +6,7 @@ on sys.path).  No test file imports another test file: what two of them
 share lives here or in op_cases.py.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -247,3 +248,25 @@ class Doubled(torch.nn.Module):
 
     def forward(self, w):
         return 2 * w
+
+
+def check_low_precision(names, got, plain, exact, eps, scale_min=1.0, what=""):
+    """flash-attention's rule for a lower-precision run: each output of
+    ``got`` is no further from the float64 run ``exact`` on the same values
+    than the plain PyTorch program's output ``plain`` in the same dtype (2x),
+    plus one ulp ``eps`` of the output's scale (at least ``scale_min``: the
+    final rounding alone costs half of one).  Where the plain program
+    overflows (its error is not finite) it sets no bound, and the output is
+    held to the rounding of an exact result (half an ulp, doubled like the
+    plain program's error) plus the same ulp."""
+    def max_abs(t):
+        return t.abs().max().item() if t.numel() else 0.0
+
+    for name, g, p, e in zip(names, got, plain, exact):
+        e = e.double()
+        f, q = max_abs(g.double() - e), max_abs(p.double() - e)
+        floor = eps * max(max_abs(e), scale_min)
+        if not math.isfinite(q):
+            q = floor / 2
+        assert math.isfinite(f) and f <= 2 * q + floor, (
+            f"{what}{name}: error {f:.3e} vs the plain program's {q:.3e} (bound 2x + {floor:.2e})")

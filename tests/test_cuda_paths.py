@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from fused_test_utils import CUDA_AVAILABLE, requires_cuda, tol
+from fused_test_utils import CUDA_AVAILABLE, check_low_precision, requires_cuda, tol
 from op_cases import BF16, CASES, F32, F64, max_abs
 
 pytestmark = requires_cuda
@@ -48,20 +48,13 @@ _DTYPE_IDS = {F32: "f32", F64: "f64", BF16: "bf16"}
 
 
 def _check_low_precision(case, got, args, size, what=""):
-    """bfloat16 rows: each output no further from a float64 run on the same
-    (bfloat16) values than the plain PyTorch program run in bfloat16 (2x),
-    plus one bfloat16 ulp of the output's scale (test_mixed_precision.py's
-    rule); outputs in the inputs' dtype."""
-    eps = torch.finfo(args[0].dtype).eps
+    """bfloat16 rows: outputs in the inputs' dtype, within the
+    lower-precision rule against a float64 run on the same (bfloat16) values
+    (fused_test_utils.check_low_precision)."""
+    assert all(g.dtype == args[0].dtype for g in got), [g.dtype for g in got]
     exact = case.ref([a.double() for a in args], size)
     plain = case.ref(args, size)
-    for name, g, p, e in zip(case.out_names, got, plain, exact):
-        assert g.dtype == args[0].dtype, (name, g.dtype)
-        err_fused, err_plain = max_abs(g.double() - e), max_abs(p.double() - e)
-        floor = eps * max(max_abs(e), 1.0)
-        assert err_fused <= 2 * err_plain + floor, (
-            f"{name}{what}: error {err_fused:.3e} vs the plain bfloat16 program's {err_plain:.3e} "
-            f"(bound 2x + {floor:.2e})")
+    check_low_precision([n + what for n in case.out_names], got, plain, exact, torch.finfo(args[0].dtype).eps)
 
 
 def _prime(case, path, backward=False):

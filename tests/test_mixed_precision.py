@@ -8,14 +8,13 @@ bounded by the plain PyTorch program's own error in that dtype (2x).
 See fused_ops/ops/_dtypes.py for the rules.  CUDA variants skip without a GPU.
 """
 
-import math
 
 import pytest
 import torch
 
 from contract_helpers import assert_equal, each_op, params
 from fused_ops.ops import _dtypes
-from fused_test_utils import check_error_names, sync
+from fused_test_utils import check_error_names, check_low_precision, sync
 from op_cases import CASES, SMALL_SIZES, as_tuple
 
 LOW = [torch.bfloat16, torch.float16]
@@ -234,21 +233,6 @@ def test_mixed_low_precision_refused_by_name(case):
     check_error_names(excinfo, last, "same dtype")
 
 
-def _max_err(outs, exact):
-    return [(o.double() - e).abs().max().item() if o.numel() else 0.0 for o, e in zip(outs, exact)]
-
-
-def _check_within(what, name, f, p, e, eps, scale_min):
-    # One ulp of `dtype` at the output's scale; where the plain program
-    # overflows in `dtype` (its error is not finite) it sets no bound, and
-    # the fused op is held to the rounding of an exact result (half an ulp,
-    # doubled like the plain program's error) plus the same ulp.
-    floor = eps * max(e.abs().max().item() if e.numel() else 0.0, scale_min)
-    if not math.isfinite(p):
-        p = floor / 2
-    assert math.isfinite(f) and f <= 2 * p + floor, (what + name, f, p, floor)
-
-
 def _accuracy_params():
     """The first accuracy row of each op, in each lower-precision dtype."""
     return params(lambda c: [(f"{c.size_id(c.accuracy[0].size)}-{i}", d, c.accuracy[0])
@@ -273,8 +257,7 @@ def test_low_precision_accuracy_vs_float64(case, dtype, acc, device):
     out_dtypes = case.out_dtypes(dtype) if case.out_dtypes is not None else [dtype] * len(fused)
     assert [o.dtype for o in fused] == out_dtypes
     sync(device)
-    for name, f, p, e in zip(case.out_names, _max_err(fused, exact), _max_err(plain, exact), exact):
-        _check_within("", name, f, p, e, eps, acc.scale_min)
+    check_low_precision(case.out_names, fused, plain, exact, eps, acc.scale_min)
     if not grad:
         return
 
@@ -286,6 +269,5 @@ def test_low_precision_accuracy_vs_float64(case, dtype, acc, device):
                                    materialize_grads=True)
 
     g_exact, g_plain, g_fused = grads(exact, exact_in), grads(plain, low_in), grads(fused, fused_in)
-    for name, f, p, e in zip(case.arg_names, _max_err(g_fused, g_exact), _max_err(g_plain, g_exact), g_exact):
-        _check_within("grad ", name, f, p, e, eps, acc.scale_min)
+    check_low_precision(case.arg_names, g_fused, g_plain, g_exact, eps, acc.scale_min, what="grad ")
 

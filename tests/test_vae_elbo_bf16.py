@@ -14,7 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_ops
-from fused_test_utils import VAE_ARG_NAMES, check_error_names, make_vae_inputs, poison_allocator, requires_cuda
+from fused_test_utils import (
+    VAE_ARG_NAMES, check_error_names, check_low_precision, make_vae_inputs, poison_allocator, requires_cuda,
+)
 from op_cases import vae_reference
 
 BF16 = torch.bfloat16
@@ -26,17 +28,6 @@ EPS = torch.finfo(BF16).eps
 def _inputs(B, I, H, L, device, requires_grad=False):
     args = [a.to(BF16) for a in make_vae_inputs(B, I, H, L, dtype=torch.float64, device=device)]
     return [a.requires_grad_() for a in args] if requires_grad else args
-
-
-def _max_err(t, exact):
-    return (t.double() - exact).abs().max().item() if t.numel() else 0.0
-
-
-def _check_within(what, got, exact, plain):
-    for name, g, p, e in zip(what, got, plain, exact):
-        floor = EPS * max(e.abs().max().item() if e.numel() else 0.0, 1.0)
-        f, q = _max_err(g, e), _max_err(p, e)
-        assert f <= 2 * q + floor, f"{name}: error {f:.3e} vs the plain bfloat16 program's {q:.3e} (+{floor:.2e})"
 
 
 # ---------------------------------------------------------------------------
@@ -145,8 +136,8 @@ def test_bfloat16_gradients_within_the_rule(device):
     g_e = torch.autograd.grad(exact, exact_in, [u.double() for u in ups])
     g_p = torch.autograd.grad(plain, plain_in, ups)
     assert all(g.dtype == BF16 for g in g_f)
-    _check_within(("elbo", "recon", "kl"), fused, exact, plain)
-    _check_within(["grad_" + n for n in VAE_ARG_NAMES], g_f, g_e, g_p)
+    check_low_precision(("elbo", "recon", "kl"), fused, plain, exact, EPS)
+    check_low_precision(["grad_" + n for n in VAE_ARG_NAMES], g_f, g_p, g_e, EPS)
 
 
 # ---------------------------------------------------------------------------
@@ -183,7 +174,7 @@ def test_forced_tiled_bf16_accuracy(size):
     assert all(torch.equal(g, a) for g, a in zip(got, again))
     exact = vae_reference(*[a.double() for a in args])
     plain = vae_reference(*args)
-    _check_within(("elbo", "recon", "kl"), got, exact, plain)
+    check_low_precision(("elbo", "recon", "kl"), got, plain, exact, EPS)
 
 
 @requires_cuda
@@ -208,8 +199,8 @@ def test_tiled_bf16_gradients(size):
     g_e = torch.autograd.grad(exact, exact_in, [u.double() for u in ups])
     g_p = torch.autograd.grad(plain, plain_in, ups)
     assert all(g.dtype == BF16 and g.shape == a.shape for g, a in zip(g_f, args))
-    _check_within(("elbo", "recon", "kl"), fused, exact, plain)
-    _check_within(["grad_" + n for n in VAE_ARG_NAMES], g_f, g_e, g_p)
+    check_low_precision(("elbo", "recon", "kl"), fused, plain, exact, EPS)
+    check_low_precision(["grad_" + n for n in VAE_ARG_NAMES], g_f, g_p, g_e, EPS)
 
 
 @requires_cuda
