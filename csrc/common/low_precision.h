@@ -4,16 +4,16 @@
 // An op that takes all-bfloat16 inputs checks them first (names, shapes,
 // one dtype: check_same_float_dtype_and_device with allow_bfloat16, so a
 // mixed call is refused naming the argument before anything is cast), then
-// either runs a bfloat16 kernel path of its own or calls
+// either takes a bfloat16 kernel path or calls
 //   low_precision::in_float32(ScalarType::BFloat16, op_impl, args...)
 // which casts every tensor argument to float32 (aten::to through the stable
 // dispatcher, on the tensor's device and torch's current stream), runs the
 // op's float32 implementation (its whole path table) and casts its tensor
 // outputs back to bfloat16.  Non-tensor arguments pass unchanged, absent
 // optional tensors stay absent.  The result is the float32 op's on the
-// bfloat16 values, rounded once to bfloat16: what the Python functions did
-// with Tensor.to before (fused_ops/ops/_dtypes.py), now inside the op so
-// torch.ops.fused_ops.* and compiled graphs take bfloat16 as well.
+// bfloat16 values, rounded once to bfloat16: the cast the Python functions
+// make with Tensor.to for the other ops (fused_ops/ops/_dtypes.py), inside
+// the op so that torch.ops.fused_ops.* and compiled graphs take bfloat16 too.
 #pragma once
 
 #include <torch/csrc/stable/ops.h>
