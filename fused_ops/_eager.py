@@ -41,7 +41,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 __all__ = [
-    "PRIVATE_APIS", "enabled", "unavailable", "call", "needs_grad", "reject_forward_ad",
+    "PRIVATE_APIS", "enabled", "unavailable", "call", "call_no_grad", "needs_grad", "reject_forward_ad",
     "register_autograd", "forbid_double_backward", "functions",
 ]
 
@@ -151,6 +151,21 @@ def call(op, tensors, *scalars):
         return function.apply(*tensors, *scalars)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*tensors, *scalars)
+
+
+def call_no_grad(op, tensors, *args):
+    """``op(*args)``, below the Autograd key when no gradient can flow through
+    ``tensors`` (every tensor of ``args``, flattened): :func:`call`'s route
+    for that case, for an op whose schema takes tensor lists (which a
+    ``torch.autograd.Function`` cannot take as inputs).  Otherwise -- a
+    gradient can flow, forward AD or a torch.func transform is active, under
+    ``torch.compile``, or the route is disabled -- the registered autograd
+    kernel, as ``op(*args)`` called directly."""
+    if (not enabled or torch.compiler.is_compiling() or _forward_ad._current_level >= 0
+            or torch._C._are_functorch_transforms_active() or needs_grad(tensors)):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
 
 
 def register_autograd(op, backward, setup_context):

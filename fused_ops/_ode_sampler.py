@@ -118,6 +118,8 @@ class ODESampler(nn.Module):
             raise ValueError(f"step_size must be a positive number, got {step_size!r}")
         self.time, self.time_embedding, self.method = time, time_embedding, method
         self.num_steps, self.step_size, self.t0, self.t1 = num_steps, step_size, float(t0), float(t1)
+        # (dtype, device, grid settings) -> (t_grid, times): see _grid_times.
+        self._grids = {}
 
     def forward(self, x0, t=None, cond=None):
         weights, biases = [m.weight for m in self._linears], [m.bias for m in self._linears]
@@ -126,16 +128,39 @@ class ODESampler(nn.Module):
                 x0, t, weights, biases, method=self.method, activation=self.activation,
                 activation_param=self.activation_param, time=self.time, time_embedding=self.time_embedding,
                 cond=cond, step_size=self.step_size)
-        # The constructor's grid, built without reading a tensor: no host
-        # synchronisation, and torch.compile(fullgraph=True) traces it.
         # Lower precision as odeint_mlp: float32 with autocast off.
         x0, weights, biases, cond, out_dtype = _ode.compute_dtype_args(x0, weights, biases, cond)
         with torch.autocast(x0.device.type, enabled=False):
-            grid, reverse = _ode.host_grid(self.t0, self.t1, self.num_steps, self.step_size, x0.dtype, x0.device)
+            t_grid, times = self._grid_times(x0)
             act, p = _ode._act(self.activation, self.activation_param)
-            states = _ode._integrate(x0, grid, reverse, weights, biases, self.method, act, p, self.time,
-                                     self.time_embedding, cond, torch.is_grad_enabled())
+            states = _ode.integrate_at(x0, t_grid, times, weights, biases, self.method, act, p, self.time,
+                                       self.time_embedding, cond, torch.is_grad_enabled())
         return _dtypes.from_compute_dtype(states[-1], out_dtype)
+
+    def _grid_times(self, x0):
+        """``(t_grid, times)`` (``_ode.grid_times``) of the constructor's grid
+        in ``x0``'s dtype and on its device, built without reading a tensor:
+        no host synchronisation, and torch.compile(fullgraph=True) traces it.
+        Outside compilation, CUDA-graph capture and torch.func transforms they
+        are built once per dtype, device and grid settings and kept (a few
+        small kernels and ~10 host ops fewer per call); built outside
+        inference mode, so that a later training call can save them."""
+        key = (x0.dtype, x0.device, self.method, self.t0, self.t1, self.num_steps, self.step_size)
+        cacheable = (type(x0) is torch.Tensor and not x0.is_meta and not torch.compiler.is_compiling()
+                     and not torch._C._are_functorch_transforms_active()
+                     and not (x0.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if cacheable:
+            hit = self._grids.get(key)
+            if hit is not None:
+                return hit
+        with torch.inference_mode(False):
+            grid, reverse = _ode.host_grid(self.t0, self.t1, self.num_steps, self.step_size, x0.dtype, x0.device)
+            out = _ode.grid_times(grid, reverse, self.method)
+        if cacheable:
+            if len(self._grids) >= 8:
+                self._grids.clear()
+            self._grids[key] = out
+        return out
 
     def extra_repr(self):
         grid = f"num_steps={self.num_steps}" if self.step_size is None else f"step_size={self.step_size}"

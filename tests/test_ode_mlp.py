@@ -237,6 +237,42 @@ def test_sampler_flow_matching_style_trains_the_model():
     assert not torch.equal(before, net[0].weight)
 
 
+def test_sampler_keeps_its_grid():
+    """The sampler builds its grid and evaluation times once per dtype, device
+    and grid settings: a repeated call equals the first and torchdiffeq;
+    num_steps and method changed after construction are honoured; a grid first
+    built under inference_mode serves a later training call (which saves it
+    for backward); float64 after float32 gets a float64 grid."""
+    net = nn.Sequential(nn.Linear(3, 16), nn.SiLU(), nn.Linear(16, 2))
+    sampler = fused_ops.nn.ODESampler(net, method="midpoint", num_steps=6)
+    x0 = torch.randn(8, 2)
+
+    def want(method, steps, x):
+        func = lambda s, y: net(torch.cat([y, s.expand(y.shape[0], 1)], -1))  # noqa: E731
+        return torchdiffeq.odeint(func, x, torch.linspace(0, 1, steps + 1, dtype=x.dtype), method=method)[-1]
+
+    with torch.inference_mode():
+        first = sampler(x0)
+    assert len(sampler._grids) == 1
+    x = x0.clone().requires_grad_()
+    second = sampler(x)
+    assert len(sampler._grids) == 1
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    torch.testing.assert_close(second, want("midpoint", 6, x0), rtol=1e-4, atol=1e-5)
+    second.square().sum().backward()
+    assert x.grad is not None and net[0].weight.grad is not None
+
+    sampler.num_steps = 9
+    torch.testing.assert_close(sampler(x0), want("midpoint", 9, x0), rtol=1e-4, atol=1e-5)
+    sampler.method = "rk4"
+    torch.testing.assert_close(sampler(x0), want("rk4", 9, x0), rtol=1e-4, atol=1e-5)
+    sampler.double()
+    got = sampler(x0.double())
+    assert got.dtype == F64
+    torch.testing.assert_close(got, want("rk4", 9, x0.double()), **tol(F64))
+    assert len(sampler._grids) == 4
+
+
 def test_sampler_time_first_embedding_and_cond():
     emb_net = nn.Sequential(nn.Linear(1, 4), nn.Tanh())
     net = [nn.Linear(4 + 2 + 3, 16), nn.ELU(0.5), nn.Linear(16, 2)]

@@ -321,12 +321,27 @@ def host_grid(t0, t1, num_steps, step_size, dtype, device):
     return torch.cat([grid[:-1], grid.new_full((1,), end)]), reverse
 
 
-def _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_embedding, cond, all_states):
-    """The fused op over ``grid`` (ascending frame): the time and conditioning
-    features folded into first-layer biases, then :func:`ode_mlp`."""
+def grid_times(grid, reverse, method):
+    """``(t_grid, times)`` of the ascending-frame ``grid``: the op's grid in
+    the caller's frame and every evaluation time ``[S * stages]`` (the
+    times :func:`_step` calls ``func`` at, negated back for a decreasing
+    grid).  They depend on the grid and the method only, so a caller with a
+    fixed grid computes them once (``fused_ops.nn.ODESampler``)."""
     times = _stage_times(method, grid[:-1], grid[1:] - grid[:-1], grid[1:]).reshape(-1)
-    if reverse:
-        times = -times
+    return (-grid, -times) if reverse else (grid, times)
+
+
+def _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_embedding, cond, all_states):
+    """The fused op over ``grid`` (ascending frame): :func:`integrate_at` of its :func:`grid_times`."""
+    t_grid, times = grid_times(grid, reverse, method)
+    return integrate_at(x0, t_grid, times, weights, biases, method, act, p, time, time_embedding, cond, all_states)
+
+
+def integrate_at(x0, t_grid, times, weights, biases, method, act, p, time, time_embedding, cond, all_states):
+    """:func:`ode_mlp` over ``t_grid`` with the evaluation times ``times``
+    (:func:`grid_times`): the time and conditioning features folded into
+    first-layer biases, in PyTorch (autograd reaches the embedding and
+    ``cond``)."""
     d = x0.shape[1]
     w0 = weights[0]
     feats = _time_features(times, time_embedding) if time != "none" else None
@@ -338,7 +353,6 @@ def _integrate(x0, grid, reverse, weights, biases, method, act, p, time, time_em
     time_bias = b0.expand(num_evals, h0) if feats is None else torch.addmm(b0, feats, wt.t())
     sample_bias = None if cond is None else cond @ wc.t()
     rest = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights[1:], biases[1:])]
-    t_grid = -grid if reverse else grid
     return ode_mlp(x0, t_grid, [wx] + list(weights[1:]), rest, time_bias, sample_bias, METHODS[method], act, p,
                    all_states)
 
@@ -379,7 +393,8 @@ def ode_mlp(x0: Tensor, t_grid: Tensor, weights: list, biases: list, time_bias: 
     nw = len(weights)
     x0, t_grid, weights, biases = args[0], args[1], list(args[2:2 + nw]), list(args[2 + nw:-2])
     time_bias, sample_bias = args[-2:]
-    states = _OP(x0, t_grid, weights, biases, time_bias, sample_bias, method, activation, act_param, all_states)
+    states = _eager.call_no_grad(_OP, (x0, t_grid, *weights, *biases, time_bias, sample_bias), x0, t_grid, weights,
+                                 biases, time_bias, sample_bias, method, activation, act_param, all_states)
     return _dtypes.from_compute_dtype(states, out_dtype)
 
 
