@@ -8,19 +8,11 @@
 // 4 B <= the number of SMs, else C = 2 when 2 B <= the number of SMs (an
 // H200's 132 SMs: B <= 33 takes C = 4, B <= 66 C = 2).
 //
-// Design: flow_euler's split kernel (cuda/flow_euler/split.cu, whose
-// comment explains the exchange) with its lane layout and dot products
-// (cuda/flow_euler/row_lanes.cuh), generalised from Euler with a time
+// Design: flow_euler's split kernel generalised from Euler with a time
 // column to torchdiffeq's Runge-Kutta tableaux with per-evaluation
-// time_bias rows.  Each block computes layers 1 and 3 in full (the same
-// values in every block of the cluster) and 1/C of layer 2's 256 neurons;
-// with C = 4 every weight a block uses sits in registers (W0, W1's quarter,
-// W2: 96 floats per thread), with C = 2 W1's half and W2 fill the registers
-// and W0 streams from shared memory ([chunk][thread] float4s).  Layer 2's
-// slices go to every partner by st.async, completing an mbarrier phase;
-// h2 and its mbarrier are double buffered by evaluation parity (the
-// argument of flow_euler's split.cu holds per evaluation as it does per
-// step there).  Per evaluation e (step k, stage i):
+// time_bias rows; the cluster layout, the exchange of layer 2's slices and
+// why it is safe are in cuda/flow_euler/split_lanes.cuh (double buffering
+// by evaluation parity, as there).  Per evaluation e (step k, stage i):
 //   layer 1  h1 = silu(W0 Y + time_bias[e] (+ sample_bias[row])): time_bias
 //            row e+1 is copied into shared memory (cp.async) during
 //            evaluation e, sample_bias's row once;
@@ -44,6 +36,7 @@
 #include <cstdint>
 
 #include "cuda/flow_euler/row_lanes.cuh"
+#include "cuda/flow_euler/split_lanes.cuh"
 #include "cuda/ode_mlp/paths.cuh"
 #include "cuda/primitives/cp_async.cuh"
 #include "cuda/primitives/mbarrier.cuh"
@@ -66,19 +59,13 @@ struct OdeSplitParams {
   float A[kOdeMaxStages][kOdeMaxStages], Bw[kOdeMaxStages];  // the tableau in float32
 };
 
+// Shared memory (floats; every array a multiple of 4): W0 [chunk][thread]
+// float4s (C = 2), W0's plain copy (staging while loading), the layer-1
+// input xs, h1, h2 twice, time_bias rows twice, sample_bias's row, b1, b2,
+// y, K [stages][64], two mbarriers.
 template <int C>
-struct OdeSplit {
-  static_assert(C == 2 || C == 4, "two or four blocks per row");
-  static constexpr int kNeurons2 = kRowH / C;                        // layer-2 neurons per block
-  static constexpr int kPerGroup2 = kNeurons2 / (kRowThreads / 8);  // ... per group of 8 lanes
-  static constexpr bool kW0InRegisters = C == 4;
-  static constexpr int kW0Chunks = kW0InRegisters ? 0 : 4 * kRowK1 / 4;  // float4s of W0 per thread
-  __host__ __device__ static constexpr uint32_t peer_bytes() { return uint32_t((C - 1) * kNeurons2 * sizeof(float)); }
-  // Shared memory (floats; every array a multiple of 4): W0 [chunk][thread]
-  // float4s (C = 2), W0's plain copy (staging while loading), the layer-1
-  // input xs, h1, h2 twice, time_bias rows twice, sample_bias's row, b1,
-  // b2, y, K [stages][64], two mbarriers.
-  static constexpr int kStage = kW0Chunks * kRowThreads * 4;
+struct OdeSplit : SplitLanes<C> {
+  static constexpr int kStage = SplitLanes<C>::kW1Chunks * kRowThreads * 4;
   static constexpr int kX = kStage + kRowH * kRowD;
   static constexpr int kH1 = kX + row_pad(kRowD);
   static constexpr int kH2 = kH1 + row_pad(kRowH);  // two buffers of row_pad(kRowH)
@@ -92,18 +79,6 @@ struct OdeSplit {
   static_assert(kBars % 4 == 0 && kTB % 4 == 0, "16-byte aligned arrays, 8-byte aligned mbarriers");
   static constexpr size_t kSmem = sizeof(float) * size_t(kBars) + 2 * sizeof(uint64_t);
 };
-static_assert(OdeSplit<2>::kPerGroup2 == 2 && OdeSplit<4>::kPerGroup2 == 1, "groups own 2 or 1 layer-2 neurons");
-
-// Sums of two neurons' partials over the 8 lanes of a group, returned for
-// neuron lane bit 2 (flow_euler's split.cu: identical on the four lanes
-// that share it).  Fixed order.
-[[maybe_unused]] __device__ __forceinline__ float ode_pair_reduce2(const float (&v)[2]) {
-  const bool hi = int(threadIdx.x) & 4;
-  float a = hi ? v[1] : v[0];
-  a += __shfl_xor_sync(kFullMask, hi ? v[0] : v[1], 4);
-  a += __shfl_xor_sync(kFullMask, a, 2);
-  return a + __shfl_xor_sync(kFullMask, a, 1);
-}
 
 // Copies time_bias row e (256 floats) into dst: 64 threads' 16-byte
 // cp.async when the row is 16-byte aligned, else 256 threads' 4-byte ones;
@@ -123,7 +98,6 @@ template <int C>
 __global__ void __launch_bounds__(kRowThreads, 1) ode_split_kernel(const __grid_constant__ OdeSplitParams a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using S = OdeSplit<C>;
-  constexpr int kPer = S::kPerGroup2;
   extern __shared__ float4 ode_split_smem4[];
   float* smem = reinterpret_cast<float*>(ode_split_smem4);
   float* const xs = smem + S::kX;
@@ -136,8 +110,6 @@ __global__ void __launch_bounds__(kRowThreads, 1) ode_split_kernel(const __grid_
   const int tid = threadIdx.x;
   const int g = tid >> 3, s = tid & 7;
   const int own = 4 * g + 2 * ((tid >> 2) & 1) + ((tid >> 1) & 1);  // layer-1 neuron (row_reduce4)
-  const int own2 = S::kNeurons2 * rank + kPer * g + (kPer == 2 ? (tid >> 2) & 1 : 0);
-  const bool stores2 = (tid & (kPer == 2 ? 3 : 7)) == 0;
   // Values used only outside the loop or once per evaluation are read from
   // the parameters where used (no registers held across the loop: the
   // C = 2 kernel has none to spare).
@@ -146,21 +118,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) ode_split_kernel(const __grid_
   // Loading, as flow_euler's split kernel: W0 whole through the staging
   // area, the register weights of W1 and W2 straight from global memory.
   row_copy<kRowH * kRowD / 4>(smem + S::kStage, a.w0, [](int f) { return f; });
-  float w0r[S::kW0InRegisters ? 4 : 1][kRowK1], w1r[kPer][kRowK2], w2r[kRowK3];
-  const bool vec1 = reinterpret_cast<uintptr_t>(a.w1) % 16 == 0;
-  const bool vec2 = reinterpret_cast<uintptr_t>(a.w2) % 16 == 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j)
-#pragma unroll
-    for (int e = 0; e < kRowK2; e += 4) {
-      const float4 v = row_load4(a.w1 + (S::kNeurons2 * rank + kPer * g + j) * kRowH + kRowK2 * s + e, vec1);
-      w1r[j][e] = v.x, w1r[j][e + 1] = v.y, w1r[j][e + 2] = v.z, w1r[j][e + 3] = v.w;
-    }
-#pragma unroll
-  for (int e = 0; e < kRowK3; e += 4) {
-    const float4 v = row_load4(a.w2 + g * kRowH + kRowK3 * s + e, vec2);
-    w2r[e] = v.x, w2r[e + 1] = v.y, w2r[e + 2] = v.z, w2r[e + 3] = v.w;
-  }
+  float w0r[S::kW1Rows][kRowK1], w1r[S::kPer][kRowK2], w2r[kRowK3];
+  split_load_registers<C>(w1r, w2r, a.w1, a.w2, rank);
   for (int j = tid; j < kRowH; j += kRowThreads) {
     smem[S::kB1 + j] = a.b1[j];
     smem[S::kSB + j] = a.sample_bias ? a.sample_bias[row * kRowH + j] : 0.f;
@@ -174,28 +133,13 @@ __global__ void __launch_bounds__(kRowThreads, 1) ode_split_kernel(const __grid_
   }
   if (a.num_evals > 0) ode_split_fetch_tb(a, 0, tbs);
   row_copies_done();  // also completes time_bias row 0
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int q = 0; q < kRowK1 / 4; ++q) {
-      const float* w = smem + S::kStage + (4 * g + i) * kRowD + kRowK1 * s + 4 * q;
-      if constexpr (S::kW0InRegisters) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) w0r[i][4 * q + e] = w[e];
-      } else {
-        ode_split_smem4[(i * (kRowK1 / 4) + q) * kRowThreads + tid] = make_float4(w[0], w[1], w[2], w[3]);
-      }
-    }
+  split_take_w1<C, kRowD>(w0r, ode_split_smem4, smem + S::kStage);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + S::kBars);
-  if (tid == 0) {
-    cuda::mbarrier_init(bars, 1);
-    cuda::mbarrier_init(bars + 1, 1);
-    cuda::mbarrier_init_fence();
-  }
-  // Every block running and initialised before any stores into another.
-  cluster.sync();
+  split_init_barriers(bars, cluster);
 
-  const float4* w0s = ode_split_smem4 + tid;
+  const int own2 = S::own2(rank);
+  const bool stores2 = S::stores2();
+  const auto act = [](float z) { return activate<float>(kSplitAct, 0.f, z); };
   float t0 = a.S > 0 ? a.t[0] : 0.f, t1 = a.S > 0 ? a.t[1] : 0.f;
   int e = 0;  // evaluation index k * stages + i
   for (int k = 0; k < a.S; ++k) {
@@ -210,39 +154,16 @@ __global__ void __launch_bounds__(kRowThreads, 1) ode_split_kernel(const __grid_
       // by evaluation e - 1's layer 1, before its barriers).
       if (e + 1 < a.num_evals) ode_split_fetch_tb(a, e + 1, tbs + ((e + 1) & 1) * kRowH);
       {  // h1 = silu(W0 Y + time_bias[e] (+ sample_bias)), all 256 neurons
-        const float sum = row_dots4<kRowK1>(xs + row_pad(kRowK1 * s), [&](int n, int q) {
-          if constexpr (S::kW0InRegisters) {
-            return make_float4(w0r[n][q], w0r[n][q + 1], w0r[n][q + 2], w0r[n][q + 3]);
-          } else {
-            return w0s[(n * (kRowK1 / 4) + q / 4) * kRowThreads];
-          }
-        });
+        const float sum = split_layer1<C>(xs, w0r, ode_split_smem4);
         if ((tid & 1) == 0) {
           float z = sum + tb[own];
           if (a.sample_bias) z += smem[S::kSB + own];
-          h1[row_pad(own)] = activate<float>(kSplitAct, 0.f, z);
+          h1[row_pad(own)] = act(z);
         }
       }
       __syncthreads();
-      {  // h2 = silu(W1 h1 + b1), this block's slice, stored into every block
-        float acc[kPer];
-        row_partial_dots<kPer, kRowK2>(acc, h1 + row_pad(kRowK2 * s), [&](int j, int q) {
-          return make_float4(w1r[j][q], w1r[j][q + 1], w1r[j][q + 2], w1r[j][q + 3]);
-        });
-        float sum;
-        if constexpr (kPer == 2) {
-          sum = ode_pair_reduce2(acc);
-        } else {
-          sum = group_sum8(acc[0]);
-        }
-        if (stores2) {
-          const float value = activate<float>(kSplitAct, 0.f, sum + smem[S::kB1 + own2]);
-          float* const dst = h2 + row_pad(own2);
-          *dst = value;
-#pragma unroll
-          for (int p = 1; p < C; ++p) cuda::st_async(dst, value, h2_ready, rank ^ p);
-        }
-      }
+      // h2 = silu(W1 h1 + b1), this block's slice, stored into every block
+      split_layer2<C>(h1, w1r, smem + S::kB1, h2, h2_ready, rank, own2, stores2, act);
       __syncthreads();
       cuda::mbarrier_wait(h2_ready, (e >> 1) & 1);
       {  // K_i = W2 h2 + b2 for output g, then the Runge-Kutta combination (general.cu's order)
