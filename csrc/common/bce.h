@@ -75,9 +75,13 @@ C10_HOST_DEVICE inline bool is_probability(T x) {
 // become NaN, without the host synchronisation a raise would cost per call.
 // The CPU kernel raises instead, as binary_cross_entropy does
 // (cpu/vae_elbo/forward.cpp).
+// The term is computed whatever the target and then replaced: a select, not
+// a branch around the term's ~70 instructions, which would keep the CUDA
+// epilogues from interleaving their unrolled terms.
 template <typename T>
 C10_HOST_DEVICE inline T bce_term_or_nan(T a, T x) {
-  return is_probability(x) ? bce_term(a, x) : T(NAN);
+  const T t = bce_term(a, x);
+  return is_probability(x) ? t : T(NAN);
 }
 
 }  // namespace fused_ops
