@@ -184,7 +184,8 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "int activation, float act_param) -> Tensor[]");
   // The ELBO of a VAE with MLPs of 1 to 4 hidden layers and one [mu | logvar]
   // head (csrc/vae_mlp.h), and its backward (gradients in one list:
-  // csrc/vae_mlp.h's VaeMlpBackwardCall).
+  // csrc/vae_mlp.h's VaeMlpBackwardCall; grad_x=False leaves x's gradient
+  // out, an empty tensor in its place, and skips the product that makes it).
   m.def(
       "vae_mlp_elbo(Tensor x, Tensor eps, Tensor?[] enc_weights, Tensor?[] enc_biases, "
       "Tensor w_head, Tensor b_head, Tensor?[] dec_weights, Tensor?[] dec_biases, "
@@ -194,7 +195,7 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "vae_mlp_elbo_backward(Tensor? grad_elbo, Tensor? grad_recon, Tensor? grad_kl, Tensor x, "
       "Tensor eps, Tensor?[] enc_weights, Tensor?[] enc_biases, Tensor w_head, Tensor b_head, "
       "Tensor?[] dec_weights, Tensor?[] dec_biases, Tensor? dec_logvar, int activation, "
-      "float act_param, int likelihood) -> Tensor[]");
+      "float act_param, int likelihood, bool grad_x=True) -> Tensor[]");
   // Unnormalised importance log weights log p(x) - log q(x) of B problems,
   // target and proposal diagonal Gaussian mixtures (csrc/importance_log_weights.h),
   // and their backward (gradients of all seven inputs; no upstream gradient: zeros).

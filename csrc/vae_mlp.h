@@ -209,6 +209,7 @@ struct VaeMlpCall : VaeMlpInputs {
 // grad_dec_logvar when dec_logvar was given.
 struct VaeMlpBackwardCall : VaeMlpInputs {
   std::optional<Tensor> grad_elbo, grad_recon, grad_kl;
+  // outputs[0], x's gradient [B, I], is an empty tensor when !grad_x.
   std::vector<Tensor> outputs;
 
   VaeMlpBackwardCall(const std::optional<Tensor>& ge, const std::optional<Tensor>& gr,
@@ -216,7 +217,7 @@ struct VaeMlpBackwardCall : VaeMlpInputs {
                      const VaeOptTensors& enc_w_, const VaeOptTensors& enc_b_,
                      const Tensor& w_head_, const Tensor& b_head_, const VaeOptTensors& dec_w_,
                      const VaeOptTensors& dec_b_, const std::optional<Tensor>& dec_logvar_,
-                     int64_t act_, double act_param_, int64_t likelihood_)
+                     int64_t act_, double act_param_, int64_t likelihood_, bool grad_x)
       : VaeMlpInputs(x_, eps_, enc_w_, enc_b_, w_head_, b_head_, dec_w_, dec_b_, dec_logvar_, act_,
                      act_param_, likelihood_) {
     for (auto [g, name, dst] : {std::tuple{&ge, "grad_elbo", &grad_elbo},
@@ -232,7 +233,7 @@ struct VaeMlpBackwardCall : VaeMlpInputs {
       return t.dim() == 1 ? empty_like_device(x_, {t.size(0)})
                           : empty_like_device(x_, {t.size(0), t.size(1)});
     };
-    outputs.push_back(empty_like_device(x_, {B, I}));
+    outputs.push_back(grad_x ? empty_like_device(x_, {B, I}) : empty_like_device(x_, {0}));
     outputs.push_back(empty_like_device(x_, {B, L}));
     for (const Tensor& t : enc_w) outputs.push_back(like(t));
     for (const Tensor& t : enc_b) outputs.push_back(like(t));

@@ -101,7 +101,8 @@ void vae_mlp_forward_rows(const VaeMlpPtrs<T>& p, const Ops& ops, int64_t r0, in
   }
 }
 
-// The gradient outputs (csrc/vae_mlp.h's VaeMlpBackwardCall order), as raw pointers.
+// The gradient outputs (csrc/vae_mlp.h's VaeMlpBackwardCall order), as raw
+// pointers; x is nullptr when its gradient is not asked for.
 template <typename T>
 struct VaeMlpGrads {
   T *x, *eps, *w_head, *b_head, *dec_logvar;
@@ -113,7 +114,8 @@ struct VaeMlpGrads {
   VaeMlpGrads(const std::vector<Tensor>& out, int64_t Le, int64_t Ld, bool has_logvar)
       : ew{}, eb{}, dw{}, db{} {
     size_t i = 0;
-    x = mdata<T>(out[i++]);
+    x = out[i].numel() ? mdata<T>(out[i]) : nullptr;  // not asked for (grad_x false), or B = 0
+    ++i;
     eps = mdata<T>(out[i++]);
     for (int64_t l = 0; l < Le; ++l) ew[l] = mdata<T>(out[i++]);
     for (int64_t l = 0; l < Le; ++l) eb[l] = mdata<T>(out[i++]);
@@ -126,7 +128,9 @@ struct VaeMlpGrads {
 };
 
 // The backward over the whole batch: the forward recomputed with its
-// activations kept, then the chain rule back to x.  ge, gr, gk: upstream
+// activations kept, then the chain rule back to x (to the first layer's
+// weights only when g.x is nullptr: its input-gradient product, the largest
+// of the backward at image-sized inputs, is skipped).  ge, gr, gk: upstream
 // gradients [B] or nullptr (zero).
 template <typename T, typename Ops>
 void vae_mlp_backward_run(const VaeMlpPtrs<T>& p, const Ops& ops, const T* ge, const T* gr,
@@ -196,10 +200,11 @@ void vae_mlp_backward_run(const VaeMlpPtrs<T>& p, const Ops& ops, const T* ge, c
     matmul(G_enc[l], 1, n, IN, k, 1, g.ew[l], k, n, k, B, dev);
     ops.colsum(g.eb[l], G_enc[l], B, n, false);
     T* gin = l ? G_enc[l - 1] : g.x;
+    if (!gin) break;  // l = 0 and x's gradient not asked for
     matmul(G_enc[l], n, 1, p.ew[l], k, 1, gin, k, B, k, n, dev);
     if (l) ops.act_grad(gin, a.A_enc[l - 1], B * k, p.act, p.act_param);
   }
-  ops.add(g.x, GXt, B * I);
+  if (g.x) ops.add(g.x, GXt, B * I);
 }
 
 }  // namespace fused_ops

@@ -191,6 +191,39 @@ def test_op_against_reference_depth4(device):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("logvar", [False, True], ids=["plain", "learned_variance"])
+def test_backward_without_the_x_gradient(logvar, device):
+    """grad_x=False: x's gradient is an empty tensor and every other gradient
+    is the full call's, bit for bit; through autograd, an x that needs no
+    gradient gets none and the parameters the same gradients as when it does."""
+    x, eps, ew, eb, wh, bh, dw, db, lv = _op_inputs(13, [6, 5], 3, [5, 7], 11, device=device, logvar=logvar)
+    ups = [torch.randn(x.shape[0], dtype=x.dtype, device=device) for _ in range(3)]
+    scalars = (5, 0.0, 3 if logvar else 0)
+    bwd = torch.ops.fused_ops.vae_mlp_elbo_backward.default
+    full = bwd(*ups, x, eps, ew, eb, wh, bh, dw, db, lv, *scalars)
+    part = bwd(*ups, x, eps, ew, eb, wh, bh, dw, db, lv, *scalars, False)
+    assert full[0].shape == x.shape and part[0].numel() == 0
+    assert len(part) == len(full)
+    for a, b in zip(part[1:], full[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.library.opcheck(bwd, (*ups, x, eps, ew, eb, wh, bh, dw, db, lv, *scalars, False))
+
+    params = [*ew, *eb, wh, bh, *dw, *db] + ([lv] if logvar else [])
+    grads = []
+    for x_needs_grad in (True, False):
+        xg = x.clone().requires_grad_(x_needs_grad)
+        ps = [p.clone().requires_grad_() for p in params]
+        ne, nd = len(ew), len(dw)
+        out = fused_ops.vae_mlp_elbo(xg, eps, ps[:ne], ps[ne:2 * ne], ps[2 * ne], ps[2 * ne + 1],
+                                     ps[2 * ne + 2:2 * ne + 2 + nd], ps[2 * ne + 2 + nd:2 * ne + 2 + 2 * nd],
+                                     activation=5, likelihood=scalars[2], dec_logvar=ps[-1] if logvar else None)
+        (out[0].sum() + out[1].sum()).backward()
+        assert (xg.grad is not None) == x_needs_grad
+        grads.append([p.grad for p in ps])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_training_shares_the_users_parameters(device):
     torch.manual_seed(0)
     parts = _user_parts(20, [16, 8], 4, [8, 16], "silu", False, True, torch.float32, device)

@@ -205,7 +205,7 @@ def _vae_mlp_elbo_fake(x, eps, ew, eb, wh, bh, dw, db, dec_logvar, activation, a
 
 @torch.library.register_fake("fused_ops::vae_mlp_elbo_backward")
 def _vae_mlp_elbo_backward_fake(ge, gr, gk, x, eps, ew, eb, wh, bh, dw, db, dec_logvar, activation, act_param,
-                                likelihood):
+                                likelihood, grad_x=True):
     b = _check_args(x, eps, ew, eb, wh, bh, dw, db, dec_logvar, activation, likelihood)[0]
     for g, name in ((ge, "grad_elbo"), (gr, "grad_recon"), (gk, "grad_kl")):
         if g is not None:
@@ -213,7 +213,10 @@ def _vae_mlp_elbo_backward_fake(ge, gr, gk, x, eps, ew, eb, wh, bh, dw, db, dec_
             check_size(g, name, 0, b, "B, the batch size of x")
             check_same_float_dtype_and_device([(x, "x"), (g, name)])
     ts = [x, eps, *ew, *eb, wh, bh, *dw, *db] + ([dec_logvar] if dec_logvar is not None else [])
-    return [t.new_empty(t.shape) for t in ts]
+    out = [t.new_empty(t.shape) for t in ts]
+    if not grad_x:  # x's gradient not computed: an empty tensor in its place
+        out[0] = x.new_empty(0)
+    return out
 
 
 def _setup_context(ctx, inputs, output):
@@ -241,11 +244,12 @@ def _backward(ctx, grad_elbo, grad_recon, grad_kl):
     wh, bh = s[2 + 2 * le], s[3 + 2 * le]
     dw, db = s[4 + 2 * le:4 + 2 * le + ld], s[4 + 2 * le + ld:4 + 2 * le + 2 * ld]
     lv = s[-1] if has_lv else None
-    g = _BACKWARD_OP(grad_elbo, grad_recon, grad_kl, x, eps, ew, eb, wh, bh, dw, db, lv, *ctx.scalars)
+    grad_x = ctx.needs_input_grad[0]  # else the op skips its largest product (x's gradient through layer 0)
+    g = _BACKWARD_OP(grad_elbo, grad_recon, grad_kl, x, eps, ew, eb, wh, bh, dw, db, lv, *ctx.scalars, grad_x)
     ge_w, ge_b = g[2:2 + le], g[2 + le:2 + 2 * le]
     gd_w, gd_b = g[4 + 2 * le:4 + 2 * le + ld], g[4 + 2 * le + ld:4 + 2 * le + 2 * ld]
-    return (g[0], g[1], list(ge_w), list(ge_b), g[2 + 2 * le], g[3 + 2 * le], list(gd_w), list(gd_b),
-            g[-1] if has_lv else None, None, None, None)
+    return (g[0] if grad_x else None, g[1], list(ge_w), list(ge_b), g[2 + 2 * le], g[3 + 2 * le], list(gd_w),
+            list(gd_b), g[-1] if has_lv else None, None, None, None)
 
 
 torch.library.register_autograd("fused_ops::vae_mlp_elbo", _backward, setup_context=_setup_context)

@@ -15,10 +15,11 @@ std::vector<Tensor> vae_mlp_elbo_backward_cpu(
     std::optional<Tensor> grad_elbo, std::optional<Tensor> grad_recon, std::optional<Tensor> grad_kl,
     const Tensor& x, const Tensor& eps, VaeOptTensors enc_weights, VaeOptTensors enc_biases,
     const Tensor& w_head, const Tensor& b_head, VaeOptTensors dec_weights, VaeOptTensors dec_biases,
-    std::optional<Tensor> dec_logvar, int64_t activation, double act_param, int64_t likelihood) {
+    std::optional<Tensor> dec_logvar, int64_t activation, double act_param, int64_t likelihood,
+    bool grad_x) {
   VaeMlpBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, enc_weights, enc_biases, w_head,
                        b_head, dec_weights, dec_biases, dec_logvar, activation, act_param,
-                       likelihood);
+                       likelihood, grad_x);
   dispatch_float(c.x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
     const VaeMlpPtrs<T> p(c);
