@@ -107,7 +107,8 @@ def vae_mlp_elbo(
 
     Returns ``(elbo [B], recon [B], kl [B])``; differentiable with respect to
     every tensor input through ``fused_ops::vae_mlp_elbo_backward``, which
-    recomputes the forward (only the inputs are saved).  Deterministic on
+    recomputes the forward (only the inputs are saved) and, when x needs no
+    gradient (``grad_x=False``), skips x's.  Deterministic on
     both devices.  Double backward and torch.func transforms are not
     supported.
     """
