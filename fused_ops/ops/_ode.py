@@ -350,12 +350,7 @@ def integrate_at(x0, t_grid, times, weights, biases, method, act, p, time, time_
     h0 = w0.shape[0]
     b0 = biases[0] if biases[0] is not None else w0.new_zeros(h0)
     num_evals = times.shape[0]
-    if feats is None:
-        time_bias = b0.expand(num_evals, h0)
-    elif feats.shape[1] == 1:  # raw t: an outer product, one elementwise kernel rather than a GEMM call
-        time_bias = torch.addcmul(b0, feats, wt.t())
-    else:
-        time_bias = torch.addmm(b0, feats, wt.t())
+    time_bias = b0.expand(num_evals, h0) if feats is None else torch.addmm(b0, feats, wt.t())
     sample_bias = None if cond is None else cond @ wc.t()
     rest = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights[1:], biases[1:])]
     return ode_mlp(x0, t_grid, [wx] + list(weights[1:]), rest, time_bias, sample_bias, METHODS[method], act, p,
