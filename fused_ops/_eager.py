@@ -153,16 +153,19 @@ def call(op, tensors, *scalars):
         return op(*tensors, *scalars)
 
 
-def call_no_grad(op, tensors, *args):
+def call_no_grad(op, *args):
     """``op(*args)``, below the Autograd key when no gradient can flow through
-    ``tensors`` (every tensor of ``args``, flattened): :func:`call`'s route
-    for that case, for an op whose schema takes tensor lists (which a
+    the tensors of ``args`` (tensor-list arguments included): :func:`call`'s
+    route for that case, for an op whose schema takes tensor lists (which a
     ``torch.autograd.Function`` cannot take as inputs).  Otherwise -- a
     gradient can flow, forward AD or a torch.func transform is active, under
     ``torch.compile``, or the route is disabled -- the registered autograd
     kernel, as ``op(*args)`` called directly."""
     if (not enabled or torch.compiler.is_compiling() or _forward_ad._current_level >= 0
-            or torch._C._are_functorch_transforms_active() or needs_grad(tensors)):
+            or torch._C._are_functorch_transforms_active()):
+        return op(*args)
+    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+    if needs_grad(tensors):
         return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)

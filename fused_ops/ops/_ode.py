@@ -393,8 +393,8 @@ def ode_mlp(x0: Tensor, t_grid: Tensor, weights: list, biases: list, time_bias: 
     nw = len(weights)
     x0, t_grid, weights, biases = args[0], args[1], list(args[2:2 + nw]), list(args[2 + nw:-2])
     time_bias, sample_bias = args[-2:]
-    states = _eager.call_no_grad(_OP, (x0, t_grid, *weights, *biases, time_bias, sample_bias), x0, t_grid, weights,
-                                 biases, time_bias, sample_bias, method, activation, act_param, all_states)
+    states = _eager.call_no_grad(_OP, x0, t_grid, weights, biases, time_bias, sample_bias, method, activation,
+                                 act_param, all_states)
     return _dtypes.from_compute_dtype(states, out_dtype)
 
 
