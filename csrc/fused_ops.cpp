@@ -145,11 +145,11 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, Tensor w_dec2, Tensor b_dec2, "
       "int likelihood=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor)");
-  // CPU only: vae_elbo that also returns the activations its backward needs
+  // vae_elbo that also returns the activations its backward needs
   // (csrc/vae_elbo.h, VaeSavedLayout), and that backward, which reads them
   // instead of recomputing the forward; grad_x is computed only when asked
-  // for (an empty tensor otherwise).  fused_ops.vae_elbo routes CPU calls
-  // that need gradients here.
+  // for (an empty tensor otherwise).  fused_ops.vae_elbo routes calls that
+  // need gradients here: on the CPU all, on CUDA large batches.
   m.def(
       "vae_elbo_train(Tensor x, Tensor eps, Tensor w_enc, Tensor b_enc, Tensor w_mu, "
       "Tensor b_mu, Tensor w_logvar, Tensor b_logvar, Tensor w_dec1, Tensor b_dec1, "

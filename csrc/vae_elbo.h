@@ -1,7 +1,6 @@
 // \brief fused_ops::vae_elbo: argument validation shared by the CPU and CUDA
 // wrappers, and the call structs they start from (inputs checked and made
-// contiguous, outputs allocated; the CPU-only vae_elbo_train's saved
-// activations).
+// contiguous, outputs allocated; vae_elbo_train's saved activations).
 //
 // Sizes come from x [B, I], w_enc [H, I] (H) and w_mu [L, H] (L); every other
 // tensor is checked against them, so a weight chain that does not connect is
@@ -136,13 +135,14 @@ struct VaeElboCall : VaeElboInputs {
 };
 
 // ---------------------------------------------------------------------------
-// vae_elbo_train (CPU): the forward that also keeps its activations
+// vae_elbo_train: the forward that also keeps its activations
 // ---------------------------------------------------------------------------
 //
-// On the CPU the products are BLAS-bound, so recomputing the forward in the
-// backward costs as much as the forward itself; when autograd needs the
-// backward, vae_elbo_train runs the same kernel and keeps the activations
-// the backward would recompute, in one flat buffer of planar sections:
+// Recomputing the forward in the backward costs as much as the forward's
+// products (the CPU's BLAS, CUDA's cuBLAS chain at large batches); when
+// autograd needs the backward, vae_elbo_train computes the same losses and
+// keeps the activations the backward would recompute, in one flat buffer of
+// planar sections:
 //   h [B, H] (after ReLU) | ml [B, 2L] (mu, logvar) | z [B, L] |
 //   g [B, H] (decoder hidden, after ReLU) | logits [B, I] (with bias)
 struct VaeSavedLayout {
@@ -156,6 +156,17 @@ struct VaeSavedLayout {
         logits(g + B * H),
         total(logits + B * I) {}
 };
+
+// vae_elbo_train_backward's rules for its `saved` argument (both devices):
+// vae_elbo_train's fourth output for these inputs.
+inline void check_vae_saved(const Tensor& saved, const VaeElboInputs& c) {
+  const int64_t expected = VaeSavedLayout(c.B, c.I, c.H, c.L).total;
+  check_rank(saved, "saved", 1, "[B * (2H + 3L + I)], vae_elbo_train's fourth output");
+  FUSED_OPS_CHECK(saved.size(0) == expected, "saved must hold B * (2H + 3L + I) = ", expected,
+                  " elements (vae_elbo_train's fourth output for these inputs), got shape ",
+                  shape_str(saved));
+  check_same_float_dtype_and_device({{c.x, "x"}, {saved, "saved"}});
+}
 
 using VaeElboTrainResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 

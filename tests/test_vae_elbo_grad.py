@@ -2,9 +2,9 @@
 check: float32 gradients at saturated logits (p == 0 or 1 exactly, the BCE
 backward's clamp, +-inf gradients of x where the reference has them), the
 gradcheck input filter itself, gradients through the module with batch
-shapes, a compiled training step against the reference's, and the CPU
+shapes, a compiled training step against the reference's, and the
 training pair (vae_elbo_train keeps the activations, vae_elbo_train_backward
-reads them instead of recomputing the forward).
+reads them instead of recomputing the forward; CPU and CUDA).
 
 gradcheck, float64 / float32 gradients against the reference's autograd,
 opcheck, double backward and the backward op's own contract are
@@ -160,17 +160,25 @@ def test_compile_training_step_matches_reference(device):
 
 
 # ---------------------------------------------------------------------------
-# The CPU training pair: vae_elbo_train keeps the activations,
+# The training pair: vae_elbo_train keeps the activations,
 # vae_elbo_train_backward reads them instead of recomputing the forward
 # ---------------------------------------------------------------------------
 
 TRAIN = torch.ops.fused_ops.vae_elbo_train.default
 TRAIN_BWD = torch.ops.fused_ops.vae_elbo_train_backward.default
+CUDA = pytest.param("cuda", marks=requires_cuda)
+# B = 2085 at 784-256-32: the CUDA train table's wgmma path (a partial last
+# tile of 64 rows) and vae_elbo_backward's cuBLAS side of the route.
+LARGE = (2085, 784, 256, 32)
+
+
+def _route(args):
+    return type(fused(*args)[0].grad_fn).__name__
 
 
 def test_cpu_calls_that_need_grad_take_the_training_pair():
     args = make_inputs(5, 6, 7, 3, requires_grad=True)
-    assert "vae_elbo_train" in type(fused(*args)[0].grad_fn).__name__
+    assert "vae_elbo_train" in _route(args)
     with torch.no_grad():
         assert fused(*args)[0].grad_fn is None
     plain = [a.detach() for a in args]
@@ -178,36 +186,83 @@ def test_cpu_calls_that_need_grad_take_the_training_pair():
 
 
 @requires_cuda
-def test_cuda_calls_keep_the_recomputing_backward():
-    args = make_inputs(5, 6, 7, 3, device="cuda", requires_grad=True)
-    name = type(fused(*args)[0].grad_fn).__name__
+def test_cuda_calls_take_the_training_pair_where_the_backward_would_use_cublas():
+    # B H (6 I + 8 L) <= 1.5e9: the one-launch recomputing backward; above: the pair.
+    small = make_inputs(1181, 784, 256, 32, device="cuda", requires_grad=True)
+    name = _route(small)
     assert "vae_elbo" in name and "vae_elbo_train" not in name, name
+    assert "vae_elbo_train" in _route(make_inputs(1182, 784, 256, 32, device="cuda", requires_grad=True))
+    with torch.no_grad():
+        assert fused(*make_inputs(*LARGE, device="cuda"))[0].grad_fn is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("B,I,H,L", [(130, 784, 256, 32), (1, 5, 7, 3), (67, 33, 16, 5)])
-def test_train_pair_matches_recomputing_backward(B, I, H, L, dtype):
-    # Same losses as vae_elbo (bitwise: the same kernel), and the same
-    # gradients as vae_elbo_backward, which recomputes what the pair saves.
-    args = make_inputs(B, I, H, L, dtype=dtype)
-    ups = [torch.randn(B, dtype=dtype) for _ in range(3)]
+def _pair_cases():
+    cpu = [("cpu", size, dt) for size in [(130, 784, 256, 32), (1, 5, 7, 3), (67, 33, 16, 5)]
+           for dt in (torch.float32, torch.float64)]
+    cuda = [("cuda", LARGE, torch.float32), ("cuda", (130, 784, 256, 32), torch.float32),
+            ("cuda", (67, 33, 16, 5), torch.float64)]
+    return [pytest.param(d, *size, dt, id=f"{d}-{'-'.join(map(str, size))}-{str(dt)[6:]}",
+                         marks=[requires_cuda] if d == "cuda" else [])
+            for d, size, dt in cpu + cuda]
+
+
+@pytest.mark.parametrize("device,B,I,H,L,dtype", _pair_cases())
+def test_train_pair_matches_recomputing_backward(device, B, I, H, L, dtype):
+    # Same losses as vae_elbo (bitwise: the same kernel), the activations of
+    # the reference, and the gradients of vae_elbo_backward, which recomputes
+    # what the pair saves (on CUDA: the wgmma kernel's stores at LARGE, the
+    # cuBLAS chain below it).
+    args = make_inputs(B, I, H, L, dtype=dtype, device=device)
+    ups = [torch.randn(B, dtype=dtype, device=device) for _ in range(3)]
     *losses, saved = TRAIN(*args)
     assert saved.shape == (B * (2 * H + 3 * L + I),)
     for n, a, b in zip(OUT_NAMES, losses, torch.ops.fused_ops.vae_elbo.default(*args)):
         assert torch.equal(a, b), n
     got = TRAIN_BWD(*ups, *args, saved, True)
     want = BWD(*ups, *args)
-    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    if dtype == torch.float64:
+        tol = dict(rtol=1e-12, atol=1e-12)
+    elif device == "cpu":
+        tol = dict(rtol=1e-5, atol=1e-6)
+    else:  # 3xTF32 (wgmma) or cuBLAS activations against cuBLAS's recomputed ones
+        tol = dict(rtol=1e-4, atol=1e-5)
     for n, a, b in zip(ARG_NAMES, got, want):
         scale = max(b.abs().max().item(), 1.0)
         torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * scale,
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_train_backward_without_grad_x():
+@requires_cuda
+def test_cuda_train_paths_agree():
+    # The wgmma kernel's stores and the fallback's cuBLAS chain: the same
+    # losses bitwise (the fallback runs vae_elbo's own table, which takes
+    # wgmma too), activations to float32 rounding; each run repeats bitwise.
+    from fused_ops import _paths
+
+    args = make_inputs(*LARGE, device="cuda")
+    runs = {}
+    for path in ("wgmma", "forward_then_activations"):
+        if path == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+            continue
+        with _paths.force("vae_elbo_train", path):
+            runs[path] = TRAIN(*args)
+            assert _paths.last("vae_elbo_train") == path
+            again = TRAIN(*args)
+        for a, b in zip(runs[path], again):
+            assert torch.equal(a, b), path
+    if len(runs) < 2:
+        pytest.skip("the wgmma path needs compute capability 9.0")
+    fast, slow = runs["wgmma"], runs["forward_then_activations"]
+    for n, a, b in zip(OUT_NAMES, fast[:3], slow[:3]):
+        assert torch.equal(a, b), n
+    torch.testing.assert_close(fast[3], slow[3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_train_backward_without_grad_x(device):
     # compute_grad_x=False: grad_x comes back empty, the rest bitwise as with it.
-    args = make_inputs(70, 20, 16, 4)
-    ups = [torch.randn(70) for _ in range(3)]
+    args = make_inputs(70, 20, 16, 4, device=device)
+    ups = [torch.randn(70, device=device) for _ in range(3)]
     saved = TRAIN(*args)[3]
     with_x = TRAIN_BWD(*ups, *args, saved, True)
     without_x = TRAIN_BWD(*ups, *args, saved, False)
@@ -218,29 +273,49 @@ def test_train_backward_without_grad_x():
     params = [a.clone().requires_grad_() for a in args[2:]]
     elbo = fused(x, args[1], *params)[0]
     grads = torch.autograd.grad(elbo.sum(), params)
-    want = BWD(torch.ones(70), None, None, *args)[2:]
+    want = BWD(torch.ones(70, device=device), None, None, *args)[2:]
     for n, a, b in zip(ARG_NAMES[2:], grads, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(b.abs().max().item(), 1.0),
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_train_backward_rejects_a_wrong_saved_buffer():
-    args = make_inputs(4, 6, 5, 3)
+@requires_cuda
+def test_cuda_training_step_through_the_pair_matches_the_reference():
+    # A module-style step at LARGE (the wgmma stores, no x gradient): the
+    # parameters' gradients against the reference's autograd in float32 and
+    # a float64 run (the float32 criterion of the op cases).
+    args = make_inputs(*LARGE, device="cuda")
+    params = [a.clone().requires_grad_() for a in args[2:]]
+    elbo = fused(args[0], args[1], *params)[0]
+    assert "vae_elbo_train" in type(elbo.grad_fn).__name__
+    got = torch.autograd.grad(elbo.sum(), params)
+    want = torch.autograd.grad(reference_outputs(args[0], args[1], *params)[0].sum(), params)
+    p64 = [p.detach().double().requires_grad_() for p in params]
+    exact = torch.autograd.grad(reference_outputs(args[0].double(), args[1].double(), *p64)[0].sum(), p64)
+    for n, g, w, e in zip(ARG_NAMES[2:], got, want, exact):
+        err, err_ref = (g.double() - e).abs().max().item(), (w.double() - e).abs().max().item()
+        assert err <= 4 * err_ref + 1e-6 * max(e.abs().max().item(), 1.0), (n, err, err_ref)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_train_backward_rejects_a_wrong_saved_buffer(device):
+    args = make_inputs(4, 6, 5, 3, device=device)
     saved = TRAIN(*args)[3]
     with pytest.raises(RuntimeError, match=r"saved must hold .* = 100 elements"):
-        TRAIN_BWD(torch.ones(4), None, None, *args, saved[:-1], True)
+        TRAIN_BWD(torch.ones(4, device=device), None, None, *args, saved[:-1], True)
     with pytest.raises(RuntimeError, match="saved must have the same dtype"):
-        TRAIN_BWD(torch.ones(4), None, None, *args, saved.double(), True)
+        TRAIN_BWD(torch.ones(4, device=device), None, None, *args, saved.double(), True)
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("compute_grad_x", [True, False])
-def test_opcheck_train_pair(compute_grad_x):
-    args = make_inputs(6, 5, 7, 3, dtype=torch.float64, requires_grad=True)
+def test_opcheck_train_pair(device, compute_grad_x):
+    args = make_inputs(6, 5, 7, 3, dtype=torch.float64, device=device, requires_grad=True)
     result = torch.library.opcheck(TRAIN, tuple(args))
     assert all(v == "SUCCESS" for v in result.values()), result
     plain = [a.detach() for a in args]
     saved = TRAIN(*plain)[3]
-    g = torch.randn(6, dtype=torch.float64)
+    g = torch.randn(6, dtype=torch.float64, device=device)
     result = torch.library.opcheck(TRAIN_BWD, (g, None, g, *plain, saved, compute_grad_x))
     assert all(v == "SUCCESS" for v in result.values()), result
 

@@ -196,6 +196,42 @@ def run_vae_backward(b, i, h, l_, dtype, used):
     return ok
 
 
+def vae_activations(args):
+    """h, [mu | logvar], z, g and the logits of a VAE problem: the sections of
+    vae_elbo_train's saved buffer (csrc/vae_elbo.h, VaeSavedLayout), flat."""
+    x, eps, w_enc, b_enc, w_mu, b_mu, w_lv, b_lv, w_d1, b_d1, w_d2, b_d2 = args
+    linear = torch.nn.functional.linear
+    h = torch.relu(linear(x, w_enc, b_enc))
+    mu, lv = linear(h, w_mu, b_mu), linear(h, w_lv, b_lv)
+    z = mu + torch.exp(0.5 * lv) * eps
+    g = torch.relu(linear(z, w_d1, b_d1))
+    return [t.reshape(-1) for t in (h, torch.cat([mu, lv], 1), z, g, linear(g, w_d2, b_d2))]
+
+
+def run_vae_train(b, i, h, l_, dtype):
+    """vae_elbo_train: its losses bitwise vae_elbo's, its saved activations
+    the reference's."""
+    args = vae_inputs(b, i, h, l_, dtype)
+    *losses, saved = torch.ops.fused_ops.vae_elbo_train(*args)
+    ok = all(torch.equal(a, w) for a, w in zip(losses, torch.ops.fused_ops.vae_elbo(*args)))
+    want = torch.cat(vae_activations(args)) if b else saved.new_empty(0)
+    return ok and close([saved], [want])
+
+
+def run_vae_train_backward(b, i, h, l_, dtype, used, grad_x):
+    """vae_elbo_train_backward on vae_elbo_train's buffer, some upstream
+    gradients absent, with or without x's gradient, against vae_elbo_backward."""
+    args = vae_inputs(b, i, h, l_, dtype)
+    ups = [torch.randn(b, device="cuda", dtype=dtype) if n in used else None for n in ("elbo", "recon", "kl")]
+    saved = torch.ops.fused_ops.vae_elbo_train(*args)[3]
+    got = torch.ops.fused_ops.vae_elbo_train_backward(*ups, *args, saved, grad_x)
+    want = torch.ops.fused_ops.vae_elbo_backward(*ups, *args)
+    if not grad_x:
+        got, want = got[1:], want[1:]
+    return all(torch.allclose(g, w, atol=1e-5 * max(w.abs().max().item() if w.numel() else 1.0, 1e-3), rtol=1e-4)
+               for g, w in zip(got, want))
+
+
 def run_resample(b, n, m, method, dtype):
     """Indices from log weights [b, n] (b None: [n]) with a few zero weights, against the reference."""
     lead = () if b is None else (b,)
@@ -371,6 +407,21 @@ VAE_BACKWARD_CASES = [
     case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), note="empty batch: zero weight gradients"),
 ]
 
+VAE_TRAIN_CASES = [
+    case("wgmma", 2053, 784, 256, 32, F32, note="partial last tile, every activation stored (sm_90a build)"),
+    case("wgmma", 2048, 130, 256, 17, F32, note="a full decoder pass and a tail pass, odd L"),
+    case("forward_then_activations", 37, 1000, 130, 17, F32, note="cluster losses, cuBLAS activations"),
+    case("forward_then_activations", 70, 33, 16, 5, F64, note="float64: general losses"),
+    case(NATURAL, 0, 6, 5, 3, F32, note="empty batch"),
+]
+
+VAE_TRAIN_BACKWARD_CASES = [
+    case("cublas", 2053, 784, 256, 32, F32, ("elbo",), False, note="the training step: no x gradient"),
+    case("cublas", 37, 1000, 130, 17, F32, ("elbo", "kl"), True, note="with x's gradient"),
+    case("cublas", 70, 33, 16, 5, F64, ("recon", "kl"), False, note="float64; elbo upstream absent"),
+    case(NATURAL, 0, 6, 5, 3, F32, ("elbo",), True, note="empty batch: zero weight gradients"),
+]
+
 def _snis_inputs(b, n, d, dtype):
     opts = dict(device="cuda", dtype=dtype)
     batch = () if b == -1 else (b,)
@@ -521,6 +572,8 @@ OPS = {
     "flow_euler_backward": (run_flow_backward, FLOW_BACKWARD_CASES),
     "vae_elbo": (run_vae, VAE_CASES),
     "vae_elbo_backward": (run_vae_backward, VAE_BACKWARD_CASES),
+    "vae_elbo_train": (run_vae_train, VAE_TRAIN_CASES),
+    "vae_elbo_train_backward": (run_vae_train_backward, VAE_TRAIN_BACKWARD_CASES),
     "snis": (run_snis, SNIS_CASES),
     "snis_backward": (run_snis_backward, SNIS_BACKWARD_CASES),
     "resample": (run_resample, RESAMPLE_CASES),
@@ -531,10 +584,11 @@ OPS = {
     "importance_log_weights": (run_ilw, ILW_CASES),
     "importance_log_weights_backward": (run_ilw_backward, ILW_BACKWARD_CASES),
 }
-ALIASES = {"flow": ["flow_euler", "flow_euler_backward"], "vae": ["vae_elbo", "vae_elbo_backward"],
+ALIASES = {"flow": ["flow_euler", "flow_euler_backward"],
+           "vae": ["vae_elbo", "vae_elbo_backward", "vae_elbo_train", "vae_elbo_train_backward"],
            "ode": ["ode_mlp", "ode_mlp_backward"], "vae_mlp": ["vae_mlp_elbo", "vae_mlp_elbo_backward"],
            "ilw": ["importance_log_weights", "importance_log_weights_backward"],
-           "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward"]}
+           "flow_backward": ["flow_euler_backward"], "vae_backward": ["vae_elbo_backward", "vae_elbo_train_backward"]}
 
 
 # ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ reparameterisation, BCE reconstruction and KL, as per-sample ELBO terms.
 
 The function, the fake (meta) implementations and autograd registrations of
 its ops: ``vae_elbo`` with its fused backward ``vae_elbo_backward`` (which
-recomputes the activations), and the CPU training pair ``vae_elbo_train`` /
+recomputes the activations), and the training pair ``vae_elbo_train`` /
 ``vae_elbo_train_backward`` (which keeps them).  The kernels are registered
 from C++ (``csrc/cuda/vae_elbo/``, ``csrc/cpu/vae_elbo/``).
 """
@@ -136,35 +136,37 @@ def vae_elbo(
     for "gaussian" -- and the latent heads, for the images,
     latents and monitoring users plot.  They carry no gradient (detached);
     gradients flow through ``elbo``, ``recon`` and ``kl`` as without them.
-    On the CPU they are the kernel's own activations (the training kernel
-    ``vae_elbo_train`` writes them, for any call); the CUDA kernels do not
-    write them, so on CUDA they are computed by PyTorch from the same
-    weights (the encoder and decoder products once more, ~2x the forward's
-    products; equal to the kernels' to float32 rounding).
+    They are the activations the training op ``vae_elbo_train`` keeps for
+    its backward (on CUDA at large batches the wgmma kernel stores them as
+    it forms them), except for a small CUDA batch that needs gradients,
+    whose one-launch backward saves nothing: there PyTorch computes them from
+    the same weights (the encoder and decoder products once more; equal to
+    the kernel's to float32 rounding).
 
     On CUDA the kernel is one of several paths, picked from the sizes (and
     the build's architectures) by the op's dispatch table:
     ``fused_ops._paths.table("vae_elbo")`` lists them with their conditions.
 
-    Differentiable with respect to every input.  On CUDA (and for
-    ``torch.ops.fused_ops.vae_elbo`` called directly) only the inputs are
-    saved and the fused backward op ``fused_ops::vae_elbo_backward`` recomputes
-    h, mu, logvar, z, the decoder hidden layer and p (see
-    :func:`_vae_elbo_backward`).  On the CPU, where the products are
-    BLAS-bound and recomputing them would cost as much as the forward, a call
-    that needs gradients goes through ``fused_ops::vae_elbo_train`` instead,
-    which keeps those activations (``B * (2H + 3L + I)`` elements) for
-    ``fused_ops::vae_elbo_train_backward``; the results are the same.  Double
-    backward and forward-mode AD (``torch.func.jvp``, dual tensors) are not
-    supported (RuntimeErrors).
+    Differentiable with respect to every input.  Two routes, the same
+    results: a call that needs gradients on the CPU, or on CUDA at batches
+    where the backward would run cuBLAS products (``B H (6 I + 8 L)`` above
+    1.5e9 multiply-adds: B > 1181 at 784-256-32), goes through
+    ``fused_ops::vae_elbo_train``, which keeps h, mu, logvar, z, the decoder
+    hidden layer and the logits (``B * (2H + 3L + I)`` elements: 20 MB at
+    B=8192, 784-256-32, float32) for ``fused_ops::vae_elbo_train_backward``,
+    which then runs no forward products and skips x's gradient when x needs
+    none.  Other calls (and ``torch.ops.fused_ops.vae_elbo`` called directly)
+    save only the inputs, and ``fused_ops::vae_elbo_backward`` recomputes the
+    activations (on CUDA one cooperative launch at small batches, see
+    :func:`_vae_elbo_backward`).  Double backward and forward-mode AD
+    (``torch.func.jvp``, dual tensors) are not supported (RuntimeErrors).
 
-    Graphs: ``vae_elbo_train`` has a CPU kernel only, so a graph recorded
-    to run elsewhere -- ``torch.export`` (and AOTInductor, which builds on
-    it) and ``torch.jit.trace`` -- records ``fused_ops::vae_elbo`` with its
-    registered autograd instead, as the call would on CUDA: a program
-    exported on the CPU runs on CUDA.  ``torch.compile`` keeps the training
-    pair on the CPU: its graphs are specialised to the device they were
-    compiled for.
+    Graphs: a graph recorded to run elsewhere -- ``torch.export`` (and
+    AOTInductor, which builds on it) and ``torch.jit.trace`` -- records
+    ``fused_ops::vae_elbo`` with its registered autograd, whose route does
+    not depend on the device or batch it was recorded at.
+    ``torch.compile`` keeps the training pair: its graphs are specialised
+    to the device and sizes they were compiled for.
     """
     inputs = (x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2)
     # The default likelihood is the schema's default: no scalar to box.
@@ -182,7 +184,7 @@ def vae_elbo(
     if return_outputs:
         return _dtypes.from_compute_dtype(_with_outputs(args, scalars), out_dtype)
     # x None: the op's checks name x.
-    if x is not None and x.is_cpu and _eager.needs_grad(args) and not _recording_a_portable_graph():
+    if x is not None and _keeps_activations(args) and _eager.needs_grad(args) and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)  # names the public op
         elbo, recon, kl, _ = _eager.call(_TRAIN_OP, args, *scalars)
@@ -247,7 +249,11 @@ def _with_outputs(args, scalars):
     ``mu``, ``logvar`` (detached)."""
     mean = (lambda a: a) if scalars == (LIKELIHOODS["gaussian"],) else torch.sigmoid
     x = args[0]
-    if x is not None and x.is_cpu and not _recording_a_portable_graph():
+    # The training op's saved activations are the outputs, wherever it is
+    # the route (or no backward follows); a small CUDA batch that needs
+    # gradients keeps the one-launch backward and gets them from PyTorch.
+    train_op = isinstance(x, Tensor) and (_keeps_activations(args) or not _eager.needs_grad(args))
+    if train_op and not _recording_a_portable_graph():
         if not torch.compiler.is_compiling():
             _eager.reject_forward_ad(_OP, args)
         elbo, recon, kl, saved = _eager.call(_TRAIN_OP, args, *scalars)
@@ -266,6 +272,29 @@ def _with_outputs(args, scalars):
     z = mu + torch.exp(0.5 * logvar) * eps
     recon_x = mean(linear(torch.relu(linear(z, w_dec1, b_dec1)), w_dec2, b_dec2))
     return elbo, recon, kl, recon_x, mu, logvar
+
+
+# csrc/cuda/vae_elbo/backward_paths.cuh's kPersistentMaxMacs: above it
+# vae_elbo_backward takes its cuBLAS path, whose forward products the
+# training pair saves.
+_PERSISTENT_MAX_MACS = 1.5e9
+
+
+def _keeps_activations(args) -> bool:
+    """Whether a call that needs gradients takes the training pair
+    (``vae_elbo_train``, which keeps the activations): every CPU call; a
+    CUDA call where ``vae_elbo_backward`` would recompute the forward with
+    cuBLAS products (``B H (6 I + 8 L)`` above 1.5e9 multiply-adds, B > 1181
+    at 784-256-32).  Below, its one-launch backward recomputes the forward
+    faster than a saved buffer would be written and read."""
+    x, w_enc, w_mu = args[0], args[2], args[4]
+    if not isinstance(x, Tensor) or x.is_cpu:
+        return isinstance(x, Tensor)
+    if not (x.is_cuda and x.dim() == 2 and isinstance(w_enc, Tensor) and w_enc.dim() == 2
+            and isinstance(w_mu, Tensor) and w_mu.dim() == 2):
+        return False  # the op's checks name what is wrong
+    (b, i), h, l_ = x.shape, w_enc.shape[0], w_mu.shape[0]
+    return b * h * (6 * i + 8 * l_) > _PERSISTENT_MAX_MACS
 
 
 def _recording_a_portable_graph() -> bool:
@@ -411,7 +440,7 @@ def _vae_elbo_backward_fake(grad_elbo, grad_recon, grad_kl, *inputs_likelihood):
     return tuple(t.new_empty(t.shape) for t in inputs)
 
 
-# The CPU training pair: vae_elbo_train is vae_elbo plus the activations its
+# The training pair: vae_elbo_train is vae_elbo plus the activations its
 # backward reads (csrc/vae_elbo.h, VaeSavedLayout), vae_elbo_train_backward
 # reads them instead of recomputing the forward.
 
@@ -439,7 +468,7 @@ def _vae_elbo_train_setup_context(ctx, inputs, output):
 
 
 def _vae_elbo_train_backward(ctx, grad_elbo, grad_recon, grad_kl, _grad_saved):
-    r"""Backward of ``fused_ops::vae_elbo_train`` (CPU): the math of
+    r"""Backward of ``fused_ops::vae_elbo_train``: the math of
     :func:`_vae_elbo_backward`, with h, mu/logvar, z, the decoder hidden layer
     and the logits read from the saved buffer instead of recomputed, and
     ``grad_x`` (with its ``[B, H] x [H, I]`` product) computed only when x

@@ -276,12 +276,7 @@ VaeElboBackwardResult vae_elbo_train_backward_cpu(
   VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
                         w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, compute_grad_x);
   c.likelihood = check_vae_likelihood(likelihood);
-  const int64_t expected = VaeSavedLayout(c.B, c.I, c.H, c.L).total;
-  check_rank(saved, "saved", 1, "[B * (2H + 3L + I)], vae_elbo_train's fourth output");
-  FUSED_OPS_CHECK(saved.size(0) == expected, "saved must hold B * (2H + 3L + I) = ", expected,
-                  " elements (vae_elbo_train's fourth output for these inputs), got shape ",
-                  shape_str(saved));
-  check_same_float_dtype_and_device({{x, "x"}, {saved, "saved"}});
+  check_vae_saved(saved, c);
   const Tensor saved_c = as_contiguous(saved);
   dispatch_float(x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);

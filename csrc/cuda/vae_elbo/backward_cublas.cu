@@ -13,6 +13,12 @@
 // products, 9 kernels and 2 device copies.  All five bias gradients are one
 // column-sum launch (double accumulation, fixed order).
 // Workspace: B * (I + 4H + 6L) elements plus [w_mu; w_logvar] (2 L H).
+//
+// vae_elbo_train_backward runs the same chain on the activations
+// vae_elbo_train saved (no forward products: 9 products, or 8 without x's
+// gradient; workspace B * (I + 2H + 3L) + 2 L H), and the train forward's
+// fallback path stores those activations with the forward chain here
+// (store_activations_cublas).
 
 #include <algorithm>
 
@@ -90,8 +96,46 @@ __global__ void column_sums_kernel(const ColSumJobs<T> jobs) {
   }
 }
 
+// The forward chain on cuBLAS into the given buffers: h [B, H], ml [B, 2L]
+// (mu | logvar, biases added), z [B, L], g [B, H] and the logits before
+// their bias [B, I].  w_mulv: [w_mu; w_logvar] [2L, H], one head product.
 template <typename T>
-void run_cublas(const VaeElboBackwardCall& c) {
+void forward_chain(const VaeElboInputs& c, const T* w_mulv, T* h, T* ml, T* z, T* g, T* a3) {
+  const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
+  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
+  const torch::stable::Device dev = c.x.device();
+  linear_nt(cdata<T>(c.x), I, cdata<T>(c.w_enc), I, h, H, B, H, I, dev);
+  cuda::apply_epilogue(stream, h, H, B, H, AddBiasRelu<T>{h, H, cdata<T>(c.b_enc)});
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  linear_nt(static_cast<const T*>(h), H, w_mulv, H, ml, 2 * L, B, 2 * L, H, dev);
+  cuda::apply_epilogue(stream, ml, 2 * L, B, L,
+                       LatentForward<T>{{ml, 2 * L, cdata<T>(c.b_mu)},
+                                        {ml + L, 2 * L, cdata<T>(c.b_logvar)},
+                                        {ml, cdata<T>(c.eps), z, L}});
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  linear_nt(static_cast<const T*>(z), L, cdata<T>(c.w_dec1), L, g, H, B, H, L, dev);
+  cuda::apply_epilogue(stream, g, H, B, H, AddBiasRelu<T>{g, H, cdata<T>(c.b_dec1)});
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  linear_nt(static_cast<const T*>(g), H, cdata<T>(c.w_dec2), H, a3, I, B, I, H, dev);
+}
+
+// [w_mu; w_logvar] [2L, H] into w_mulv (two device copies).
+template <typename T>
+void stack_heads(const VaeElboInputs& c, T* w_mulv, cudaStream_t stream) {
+  const size_t bytes = size_t(c.L * c.H) * sizeof(T);
+  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv, cdata<T>(c.w_mu), bytes, cudaMemcpyDeviceToDevice, stream));
+  FUSED_OPS_CUDA_CHECK(
+      cudaMemcpyAsync(w_mulv + c.L * c.H, cdata<T>(c.w_logvar), bytes, cudaMemcpyDeviceToDevice, stream));
+}
+
+constexpr int64_t up4(int64_t n) { return (n + 3) / 4 * 4; }
+
+// saved: vae_elbo_train's activations (VaeSavedLayout, logits with their
+// bias), read instead of recomputing the forward; nullptr: recompute.  An
+// empty c.gx (vae_elbo_train_backward without grad_x) skips x's gradient:
+// BCE's target term and the [B, H] x [H, I] product.
+template <typename T>
+void run_cublas(const VaeElboBackwardCall& c, const T* saved) {
   const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   T* gw_enc = mdata<T>(c.gw_enc);
@@ -113,63 +157,60 @@ void run_cublas(const VaeElboBackwardCall& c) {
   const T* g_elbo = cdata_or_null<T>(c.g_elbo);
   const T* g_recon = cdata_or_null<T>(c.g_recon);
   const T* g_kl = cdata_or_null<T>(c.g_kl);
-  T* gx = mdata<T>(c.gx);
+  const bool with_gx = c.gx.numel() > 0;
+  T* gx = with_gx ? mdata<T>(c.gx) : nullptr;
   T* geps = mdata<T>(c.geps);
 
-  // Workspace, each piece starting on a multiple of 4 elements.
-  auto up4 = [](int64_t n) { return (n + 3) / 4 * 4; };
-  const int64_t n_h = up4(B * H), n_ml = up4(B * 2 * L), n_z = up4(B * L), n_g = up4(B * H),
-                n_a3 = up4(B * I), n_ga2 = up4(B * H), n_gz = up4(B * L), n_gml = up4(B * 2 * L),
+  // Workspace, each piece starting on a multiple of 4 elements; the forward's
+  // activations only when they are recomputed.
+  const int64_t n_fwd = saved ? 0 : up4(B * H) + up4(B * 2 * L) + up4(B * L) + up4(B * H);
+  const int64_t n_a3 = up4(B * I), n_ga2 = up4(B * H), n_gz = up4(B * L), n_gml = up4(B * 2 * L),
                 n_ga1 = up4(B * H), n_w = up4(2 * L * H);
-  Tensor ws = empty_like_device(
-      c.x, {n_h + n_ml + n_z + n_g + n_a3 + n_ga2 + n_gz + n_gml + n_ga1 + n_w});
-  T* h = mdata<T>(ws);
-  T* ml = h + n_h;
-  T* z = ml + n_ml;
-  T* g = z + n_z;
-  T* a3 = g + n_g;
+  Tensor ws = empty_like_device(c.x, {n_fwd + n_a3 + n_ga2 + n_gz + n_gml + n_ga1 + n_w});
+  T* a3 = mdata<T>(ws) + n_fwd;
   T* ga2 = a3 + n_a3;
   T* gz = ga2 + n_ga2;
   T* gml = gz + n_gz;
   T* ga1 = gml + n_gml;
   T* w_mulv = ga1 + n_ga1;  // [w_mu; w_logvar], [2L, H]
-  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv, cdata<T>(c.w_mu), size_t(L * H) * sizeof(T),
-                                       cudaMemcpyDeviceToDevice, stream));
-  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv + L * H, cdata<T>(c.w_logvar),
-                                       size_t(L * H) * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+  stack_heads(c, w_mulv, stream);
 
-  // ---- forward recompute
-  linear_nt(x, I, w_enc, I, h, H, B, H, I, dev);
-  cuda::apply_epilogue(stream, h, H, B, H, AddBiasRelu<T>{h, H, cdata<T>(c.b_enc)});
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
-  linear_nt(h, H, static_cast<const T*>(w_mulv), H, ml, 2 * L, B, 2 * L, H, dev);
-  cuda::apply_epilogue(stream, ml, 2 * L, B, L,
-                       LatentForward<T>{{ml, 2 * L, cdata<T>(c.b_mu)},
-                                        {ml + L, 2 * L, cdata<T>(c.b_logvar)},
-                                        {ml, eps, z, L}});
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
-  linear_nt(static_cast<const T*>(z), L, w_d1, L, g, H, B, H, L, dev);
-  cuda::apply_epilogue(stream, g, H, B, H, AddBiasRelu<T>{g, H, cdata<T>(c.b_dec1)});
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
-  linear_nt(static_cast<const T*>(g), H, w_d2, H, a3, I, B, I, H, dev);
+  const T *h, *ml, *z, *g, *logits, *b_logits;
+  if (saved) {
+    const VaeSavedLayout lay(B, I, H, L);
+    h = saved + lay.h;
+    ml = saved + lay.ml;
+    z = saved + lay.z;
+    g = saved + lay.g;
+    logits = saved + lay.logits;
+    b_logits = nullptr;  // saved with the bias
+  } else {
+    T* h_ = mdata<T>(ws);
+    T* ml_ = h_ + up4(B * H);
+    T* z_ = ml_ + up4(B * 2 * L);
+    T* g_ = z_ + up4(B * L);
+    forward_chain(c, static_cast<const T*>(w_mulv), h_, ml_, z_, g_, a3);
+    h = h_, ml = ml_, z = z_, g = g_;
+    logits = a3;  // BCE backward turns them into their gradient in place
+    b_logits = cdata<T>(c.b_dec2);
+  }
 
   // ---- decoder backward
-  cuda::apply_epilogue(stream, a3, I, B, I,
-                       BceBackward<T>{cdata<T>(c.b_dec2), x, g_elbo, g_recon, a3, gx, I, c.likelihood});
+  cuda::apply_epilogue(stream, logits, I, B, I,
+                       BceBackward<T>{b_logits, x, g_elbo, g_recon, a3, gx, I, c.likelihood});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
-  matmul(static_cast<const T*>(a3), 1, I, static_cast<const T*>(g), H, 1, gw_d2, H, I, H, B, dev);
+  matmul(static_cast<const T*>(a3), 1, I, g, H, 1, gw_d2, H, I, H, B, dev);
   matmul(static_cast<const T*>(a3), I, 1, w_d2, H, 1, ga2, H, B, H, I, dev);
   cuda::apply_epilogue(stream, ga2, H, B, H, ReluMask<T>{ga2, H, g});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
-  matmul(static_cast<const T*>(ga2), 1, H, static_cast<const T*>(z), L, 1, gw_d1, L, H, L, B, dev);
+  matmul(static_cast<const T*>(ga2), 1, H, z, L, 1, gw_d1, L, H, L, B, dev);
   matmul(static_cast<const T*>(ga2), H, 1, w_d1, L, 1, gz, L, B, L, H, dev);
 
   // ---- reparameterisation + KL backward
   cuda::apply_epilogue(stream, gz, L, B, L, LatentBackward<T>{ml, eps, g_elbo, g_kl, gml, geps, L});
   FUSED_OPS_CUDA_LAUNCH_CHECK();
-  matmul(static_cast<const T*>(gml), 1, 2 * L, static_cast<const T*>(h), H, 1, gw_mu, H, L, H, B, dev);
-  matmul(static_cast<const T*>(gml + L), 1, 2 * L, static_cast<const T*>(h), H, 1, gw_lv, H, L, H, B,
-         dev);
+  matmul(static_cast<const T*>(gml), 1, 2 * L, h, H, 1, gw_mu, H, L, H, B, dev);
+  matmul(static_cast<const T*>(gml + L), 1, 2 * L, h, H, 1, gw_lv, H, L, H, B, dev);
 
   // ---- encoder backward
   matmul(static_cast<const T*>(gml), 2 * L, 1, static_cast<const T*>(w_mulv), H, 1, ga1, H, B, H,
@@ -188,6 +229,7 @@ void run_cublas(const VaeElboBackwardCall& c) {
   const int64_t max_n = std::max(I, std::max(H, L));
   column_sums_kernel<T><<<dim3(unsigned((max_n + 31) / 32), kColSumJobs), dim3(32, 32), 0, stream>>>(jobs);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
+  if (!with_gx) return;
   T* t = a3;
   matmul(static_cast<const T*>(ga1), H, 1, w_enc, I, 1, t, I, B, I, H, dev);
   add_kernel<T><<<grid_for(B * I), kThreads, 0, stream>>>(gx, t, B * I);
@@ -198,10 +240,26 @@ void run_cublas(const VaeElboBackwardCall& c) {
 
 void launch_cublas(const BackwardLaunch& l) {
   if (l.f32) {
-    run_cublas<float>(l.c);
+    run_cublas<float>(l.c, l.saved ? cdata<float>(*l.saved) : nullptr);
   } else {
-    run_cublas<double>(l.c);
+    run_cublas<double>(l.c, l.saved ? cdata<double>(*l.saved) : nullptr);
   }
+}
+
+void store_activations_cublas(const VaeElboInputs& c, const Tensor& saved) {
+  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
+  dispatch_float(c.x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const VaeSavedLayout lay(c.B, c.I, c.H, c.L);
+    Tensor w = empty_like_device(c.x, {2 * c.L * c.H});
+    T* w_mulv = mdata<T>(w);
+    stack_heads(c, w_mulv, stream);
+    T* s = mdata<T>(saved);
+    T* logits = s + lay.logits;
+    forward_chain(c, static_cast<const T*>(w_mulv), s + lay.h, s + lay.ml, s + lay.z, s + lay.g, logits);
+    cuda::apply_epilogue(stream, logits, c.I, c.B, c.I, AddBias<T>{logits, c.I, cdata<T>(c.b_dec2)});
+    FUSED_OPS_CUDA_LAUNCH_CHECK();
+  });
 }
 
 }  // namespace vae_elbo_backward_kernels

@@ -1,5 +1,6 @@
-// \brief CUDA entry point of fused_ops::vae_elbo_backward: argument checks,
-// the empty batch, the kernel-path table, and the op's CUDA registration.
+// \brief CUDA entry points of fused_ops::vae_elbo_backward and
+// vae_elbo_train_backward: argument checks, the empty batch, the kernel-path
+// tables, and the ops' CUDA registrations.
 //
 // Two paths, chosen by the amount of work (multiply-adds of the products,
 // about B H (6 I + 8 L)): one cooperative launch while the GPU work is small
@@ -28,6 +29,15 @@ const dispatch::PathTable<BackwardLaunch, 2> kPaths("vae_elbo_backward", "cuda",
      vae_elbo_backward_kernels::persistent_applies, vae_elbo_backward_kernels::launch_persistent},
     {"cublas", "anything else",
      "products on cuBLAS, elementwise stages fused between them: large batches",
+     dispatch::always<BackwardLaunch>, vae_elbo_backward_kernels::launch_cublas},
+}});
+
+// vae_elbo_train_backward: the chain rule on vae_elbo_train's activations,
+// no forward recomputed.  One path; the table reports it and refuses a forced
+// name that is not it, as every table does.
+const dispatch::PathTable<BackwardLaunch, 1> kTrainPaths("vae_elbo_train_backward", "cuda", {{
+    {"cublas", "anything",
+     "products on cuBLAS over the saved activations (8 or 9 of vae_elbo_backward's 13: no forward)",
      dispatch::always<BackwardLaunch>, vae_elbo_backward_kernels::launch_cublas},
 }});
 
@@ -69,10 +79,38 @@ VaeElboBackwardResult vae_elbo_backward_cuda(
   return c.result();
 }
 
+// The checks of the CPU wrapper (csrc/cpu/vae_elbo/backward.cpp), in its order.
+VaeElboBackwardResult vae_elbo_train_backward_cuda(
+    const std::optional<Tensor>& grad_elbo, const std::optional<Tensor>& grad_recon,
+    const std::optional<Tensor>& grad_kl, const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+    const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu, const Tensor& w_logvar,
+    const Tensor& b_logvar, const Tensor& w_dec1, const Tensor& b_dec1, const Tensor& w_dec2,
+    const Tensor& b_dec2, const Tensor& saved, bool compute_grad_x, int64_t likelihood) {
+  const cuda::TensorDeviceGuard guard(x);
+  VaeElboBackwardCall c(grad_elbo, grad_recon, grad_kl, x, eps, w_enc, b_enc, w_mu, b_mu,
+                        w_logvar, b_logvar, w_dec1, b_dec1, w_dec2, b_dec2, compute_grad_x);
+  c.likelihood = check_vae_likelihood(likelihood);
+  check_vae_saved(saved, c);
+  FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
+  const Tensor saved_c = as_contiguous(saved);
+  dispatch_float(x.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    if (c.B == 0) {
+      zero_weight_grads<T>(c);
+    } else {
+      BackwardLaunch l{c, std::is_same_v<T, float>};
+      l.saved = &saved_c;
+      kTrainPaths.run(l);
+    }
+  });
+  return c.result();
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
   m.impl("vae_elbo_backward", TORCH_BOX(&vae_elbo_backward_cuda));
+  m.impl("vae_elbo_train_backward", TORCH_BOX(&vae_elbo_train_backward_cuda));
 }
 
 }  // namespace fused_ops

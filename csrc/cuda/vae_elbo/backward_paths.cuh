@@ -30,6 +30,9 @@ constexpr double kPersistentMaxMacs = 1.5e9;
 struct BackwardLaunch {
   const VaeElboBackwardCall& c;
   bool f32;  // float32, else float64
+  // vae_elbo_train_backward: vae_elbo_train's activations (VaeSavedLayout,
+  // contiguous), read instead of recomputed; nullptr for vae_elbo_backward.
+  const Tensor* saved = nullptr;
 };
 
 // backward_persistent.cu
@@ -37,6 +40,10 @@ bool persistent_applies(const BackwardLaunch& l);
 void launch_persistent(const BackwardLaunch& l);
 // backward_cublas.cu: any call
 void launch_cublas(const BackwardLaunch& l);
+// backward_cublas.cu: vae_elbo_train's activations (VaeSavedLayout) of a
+// float32 or float64 call into `saved`, by the cuBLAS forward chain (the
+// train forward's path where its kernels do not store them).
+void store_activations_cublas(const VaeElboInputs& c, const Tensor& saved);
 
 __device__ __forceinline__ float dexp(float v) { return expf(v); }
 __device__ __forceinline__ double dexp(double v) { return exp(v); }
@@ -53,11 +60,13 @@ __device__ __forceinline__ T upstream(const T* g_elbo, const T* g_other, int64_t
   return T(0);
 }
 
-// Element (b, i) of the logits before their bias -> the gradient at the
+// Element (b, i) of the logits before their bias (b_dec2 added here; null:
+// v is the logit itself, as vae_elbo_train saves it) -> the gradient at the
 // logits (BCE backward with PyTorch's clamp, then sigmoid backward) into ga3
 // and BCE's target gradient -logit(p) * d_recon into gx (zero where d_recon
-// is zero); for another likelihood, common/likelihood.h's recon_backward.
-// Both paths: a tile epilogue, and cuda::apply_epilogue after cuBLAS.
+// is zero; gx null: not wanted); for another likelihood, common/likelihood.h's
+// recon_backward.  Both paths: a tile epilogue, and cuda::apply_epilogue
+// after cuBLAS.
 template <typename T>
 struct BceBackward {
   const T *b_dec2, *x, *g_elbo, *g_recon;
@@ -66,11 +75,11 @@ struct BceBackward {
   int64_t likelihood;
   __device__ void operator()(int64_t b, int64_t i, T v) const {
     const T dr = upstream(g_elbo, g_recon, b);
-    const T a = v + b_dec2[i];
+    const T a = b_dec2 ? v + b_dec2[i] : v;
     if (likelihood != kBernoulli) {
       T gxv;
       recon_backward(likelihood, a, x[b * I + i], dr, ga3[b * I + i], gxv);
-      gx[b * I + i] = dr != T(0) ? gxv : T(0);
+      if (gx) gx[b * I + i] = dr != T(0) ? gxv : T(0);
       return;
     }
     const T p = T(1) / (T(1) + dexp(-a));
@@ -83,7 +92,7 @@ struct BceBackward {
     // bce_term_or_nan (common/bce.h).
     const bool valid = is_probability(xv);
     ga3[b * I + i] = valid ? gp * q * p : T(NAN);
-    gx[b * I + i] = valid ? (dr != T(0) ? -dlog(p / q) * dr : T(0)) : T(NAN);
+    if (gx) gx[b * I + i] = valid ? (dr != T(0) ? -dlog(p / q) * dr : T(0)) : T(NAN);
   }
 };
 

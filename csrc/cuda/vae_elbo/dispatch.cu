@@ -1,5 +1,5 @@
-// \brief CUDA entry point of fused_ops::vae_elbo: argument checks, the
-// kernel-path table, and the op's CUDA registration.
+// \brief CUDA entry points of fused_ops::vae_elbo and vae_elbo_train:
+// argument checks, the kernel-path tables, and the ops' CUDA registrations.
 //
 // The table (common/dispatch.h) lists the paths in order of preference; a
 // call takes the first whose condition holds (or the one forced through
@@ -18,6 +18,7 @@
 
 #include "common/dispatch.h"
 #include "common/low_precision.h"
+#include "cuda/vae_elbo/backward_paths.cuh"
 #include "cuda/vae_elbo/paths.cuh"
 
 namespace fused_ops {
@@ -106,8 +107,67 @@ VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_
   return c.result();
 }
 
+// vae_elbo_train's fallback: the losses by vae_elbo's own table (bitwise its
+// outputs), then the activations by the cuBLAS forward chain.
+void launch_forward_then_activations(const Launch& l) {
+  Launch forward{l.c, l.f32, l.a};
+  kPaths.run(forward);
+  vae_elbo_backward_kernels::store_activations_cublas(*l.train, l.train->saved);
+}
+
+// vae_elbo_train: vae_elbo's losses plus the activations its backward reads
+// (csrc/vae_elbo.h, VaeSavedLayout).  fused_ops.vae_elbo sends CUDA calls
+// that need gradients here where vae_elbo_backward would take its cuBLAS
+// path (fused_ops/ops/_vae_elbo.py): those skip the backward's forward
+// products, and x's gradient when x needs none.
+const dispatch::PathTable<Launch, 2> kTrainPaths("vae_elbo_train", "cuda", {{
+    {"wgmma", "the wgmma forward's conditions (Bernoulli likelihood, float32, B >= 2048, H == 256, "
+              "L <= 32, sm_90a build on a compute capability 9.0 GPU)",
+     "the wgmma kernel storing each activation where it forms it: the forward's speed plus "
+     "B (2H + 3L + I) stores",
+     bernoulli_and<vae_elbo_kernels::wgmma_applies>, vae_elbo_kernels::launch_wgmma},
+    {"forward_then_activations", "anything else",
+     "vae_elbo's path for the losses, then the activations by cuBLAS products (the forward "
+     "products the recomputing backward would run)",
+     dispatch::always<Launch>, launch_forward_then_activations},
+}});
+
+// The checks of the CPU wrapper (csrc/cpu/vae_elbo/forward.cpp): no bfloat16.
+VaeElboTrainResult vae_elbo_train_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_enc,
+                                       const Tensor& b_enc, const Tensor& w_mu, const Tensor& b_mu,
+                                       const Tensor& w_logvar, const Tensor& b_logvar,
+                                       const Tensor& w_dec1, const Tensor& b_dec1,
+                                       const Tensor& w_dec2, const Tensor& b_dec2, int64_t likelihood) {
+  const cuda::TensorDeviceGuard guard(x);
+  VaeElboTrainCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
+                     b_dec2);
+  c.likelihood = check_vae_likelihood(likelihood);
+  FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
+  FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
+                  "vae_elbo_train: sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",
+                  "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
+                  ", L=", c.L);
+  if (c.B == 0) return c.result();
+  dispatch_float(x.scalar_type(), [&](auto zero) {
+    if constexpr (std::is_same_v<decltype(zero), float>) {
+      Launch l{c, true, vae_elbo_kernels::make_args<float>(c)};
+      l.train = &c;
+      l.saved = vae_elbo_kernels::make_saved<float>(c);
+      kTrainPaths.run(l);
+    } else {
+      Launch l{c, false, {}};
+      l.train = &c;
+      kTrainPaths.run(l);
+    }
+  });
+  return c.result();
+}
+
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) { m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cuda)); }
+STABLE_TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("vae_elbo", TORCH_BOX(&vae_elbo_cuda));
+  m.impl("vae_elbo_train", TORCH_BOX(&vae_elbo_train_cuda));
+}
 
 }  // namespace fused_ops

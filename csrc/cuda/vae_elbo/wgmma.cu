@@ -35,6 +35,12 @@
 // latent padded to 32 columns), any I (K padded with zeros to whole chunks;
 // the decoder's logits in passes of 128 columns, then passes of 16).  The
 // weights stream from L2 once per CTA.
+//
+// vae_elbo_train's wgmma path is this kernel with kSave: each activation is
+// also stored to global memory where it is formed (h and g from the
+// hidden-layer epilogue, mu / logvar / z from the head's, the logits from
+// the BCE epilogue), B (2H + 3L + I) floats, for a backward that then needs
+// no forward products.
 
 #include <algorithm>
 #include <type_traits>
@@ -116,7 +122,12 @@ struct WgWeights {
   int enc_chunks, full_passes, tail_passes;
 };
 
-__global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Args<float> a, const WgWeights w) {
+// kSave (vae_elbo_train): also stores h, mu | logvar, z, g and the logits
+// (with their bias) into s, the values the products and terms use; the
+// losses are the same (the stores change no arithmetic).
+template <bool kSave>
+__global__ void __launch_bounds__(kThreadsWg, 1)
+    vae_elbo_wgmma_kernel(const Args<float> a, const WgWeights w, const Saved<float> s) {
 #if defined(FUSED_OPS_WGMMA)
   using cuda::wgs::add_chunks;
   using cuda::wgs::ChunkStream;
@@ -131,11 +142,20 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
   cuda::wgs::init_ring_barriers(bars);
   __syncthreads();
   // Stores relu(acc + bias) of this warpgroup's 128 columns as the next
-  // A operand (split, over h's place) and publishes it to the tensor cores.
-  auto store_hidden = [&](const float(&acc)[kH / 4], const float* bias) {
+  // A operand (split, over h's place) and publishes it to the tensor cores;
+  // kSave: also into `save` [B, H].
+  auto store_hidden = [&](const float(&acc)[kH / 4], const float* bias, float* save) {
     for_each_pair<kH / 2>(acc, [&](int r, int, int c, float v0, float v1) {
       const int n = wgi * (kH / 2) + c;
-      store_split_pair(smem, kHPlane, r, n, relu(v0 + __ldg(bias + n)), relu(v1 + __ldg(bias + n + 1)));
+      const float h0 = relu(v0 + __ldg(bias + n)), h1 = relu(v1 + __ldg(bias + n + 1));
+      store_split_pair(smem, kHPlane, r, n, h0, h1);
+      if constexpr (kSave) {
+        if (r < rows) {
+          float* at = save + int64_t(row0 + r) * kH + n;
+          at[0] = h0;
+          at[1] = h1;
+        }
+      }
     });
     cuda::fence_proxy_async();
     __syncthreads();
@@ -209,7 +229,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     // overwrite the ring, and phase 2's first chunks (their ring above h,
     // over the x chunks) travel while h is stored.
     mulv_stream.prologue(bars);
-    store_hidden(hacc, a.b_enc);
+    store_hidden(hacc, a.b_enc, s.h);
   }
 
   // 2. mu (warpgroup 0) and logvar (warpgroup 1), 32 padded columns each;
@@ -257,8 +277,15 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     float* const ms = smem + kMs;
     if (wgi == 1) {
       for_each_pair<kLp>(macc, [&](int r, int, int l, float v0, float v1) {
-        ms[r * kMsLd + l] = l < L ? v0 + __ldg(a.b_lv + l) : 0.0f;
-        ms[r * kMsLd + l + 1] = l + 1 < L ? v1 + __ldg(a.b_lv + l + 1) : 0.0f;
+        const float lv0 = l < L ? v0 + __ldg(a.b_lv + l) : 0.0f;
+        const float lv1 = l + 1 < L ? v1 + __ldg(a.b_lv + l + 1) : 0.0f;
+        ms[r * kMsLd + l] = lv0;
+        ms[r * kMsLd + l + 1] = lv1;
+        if constexpr (kSave) {
+          float* at = s.ml + int64_t(row0 + r) * 2 * L + L + l;  // logvar: ml's columns L..2L
+          if (r < rows && l < L) at[0] = lv0;
+          if (r < rows && l + 1 < L) at[1] = lv1;
+        }
       });
     }
     __syncthreads();
@@ -275,6 +302,12 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
             const float mu = macc[i + e] + bmu[i / 4 * 2 + e], lv = ms[r * kMsLd + l + e];
             zz[e] = mu + expf(0.5f * lv) * ep[i + e];
             kl[h] += ((1.0f + lv) - mu * mu) - expf(lv);  // the reference's order
+            if constexpr (kSave) {
+              if (r < rows) {
+                s.ml[int64_t(row0 + r) * 2 * L + l + e] = mu;
+                s.z[int64_t(row0 + r) * L + l + e] = zz[e];
+              }
+            }
           }
         }
         store_split_pair(smem + kZ, kZPlane, r, l, zz[0], zz[1]);
@@ -297,7 +330,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
     cuda::wgs::chunk_products<kH / 2>(hacc, d1_stream, 0, smem + kZ, kZPlane, bars);
     cuda::wgmma_wait<0>();
     __syncthreads();
-    store_hidden(hacc, a.b_d1);
+    store_hidden(hacc, a.b_d1, s.g);
   }
 
   // 4. Decoder logits into BCE sums, pass by pass: 128 columns (64 per
@@ -336,8 +369,12 @@ __global__ void __launch_bounds__(kThreadsWg, 1) vae_elbo_wgmma_kernel(const Arg
 #pragma unroll
       for (int i = 0; i < NP / 4; ++i) {
         const int r = r0 + 8 * ((i / 2) % 2), n = n0 + 8 * (i / 4) + i % 2;
-        const float t = bce_term_or_nan(dacc[i] + bias[i / 4 * 2 + i % 2], xin[i]);
+        const float logit = dacc[i] + bias[i / 4 * 2 + i % 2];
+        const float t = bce_term_or_nan(logit, xin[i]);
         rsum[(i / 2) % 2] += (r < rows && n < I) ? t : 0.0f;  // a select: the terms interleave
+        if constexpr (kSave) {
+          if (r < rows && n < I) s.logits[int64_t(row0 + r) * I + n] = logit;
+        }
       }
     };
     for (int p = 0; p < w.full_passes; ++p) decoder_pass(std::integral_constant<int, kPass>{}, p * kPass);
@@ -380,7 +417,9 @@ void launch_wgmma(const Launch& l) {
 #if defined(FUSED_OPS_SM90A)
   const Args<float>& a = l.a;
   const Tensor& like = l.c.x;  // the workspace's device
-  cuda::allow_dynamic_smem(wg::vae_elbo_wgmma_kernel, wg::kSmemBytes);
+  const bool save = l.saved.h != nullptr;
+  const auto kernel = save ? wg::vae_elbo_wgmma_kernel<true> : wg::vae_elbo_wgmma_kernel<false>;
+  cuda::allow_dynamic_smem(kernel, wg::kSmemBytes);
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   const int enc_chunks = (a.I + wg::kKChunk - 1) / wg::kKChunk;
   const int full = a.I / wg::kPass, tail = (a.I - full * wg::kPass + wg::kTailPass - 1) / wg::kTailPass;
@@ -407,7 +446,7 @@ void launch_wgmma(const Launch& l) {
   const wg::WgWeights w{packs[0].out, packs[1].out, packs[2].out, packs[3].out, packs[4].out,
                         enc_chunks, full, tail};
   const int64_t tiles = (int64_t(a.B) + wg::kRowsWg - 1) / wg::kRowsWg;
-  wg::vae_elbo_wgmma_kernel<<<unsigned(tiles), wg::kThreadsWg, wg::kSmemBytes, stream>>>(a, w);
+  kernel<<<unsigned(tiles), wg::kThreadsWg, wg::kSmemBytes, stream>>>(a, w, l.saved);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 #else
   (void)l;
