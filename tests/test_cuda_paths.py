@@ -68,7 +68,7 @@ def _prime(case, path, backward=False):
     other = min(others, key=lambda p: math.prod(v for v in p.size if isinstance(v, int)))
     if backward:
         args, upstream = _bwd_inputs(case, other.size, other.dtype)
-        _grads(case, case.fn, args, other.size, upstream)
+        _grads(case, case.bwd_fn or case.fn, args, other.size, upstream)
     else:
         case.fused(case.inputs(other.size, dtype=other.dtype, device="cuda"), other.size)
     torch.cuda.synchronize()
@@ -220,10 +220,10 @@ def test_forced_backward_path(case, pc):
     args, upstream = _bwd_inputs(case, size, pc.dtype)
     _prime(case, pc.path, backward=True)
     with _paths.force(bwd, pc.path):
-        got = _grads(case, case.fn, args, size, upstream)
+        got = _grads(case, case.bwd_fn or case.fn, args, size, upstream)
         torch.cuda.synchronize()
         assert _paths.last(bwd) == pc.path, f"took {_paths.last(bwd)!r}"
-        again = _grads(case, case.fn, args, size, upstream)
+        again = _grads(case, case.bwd_fn or case.fn, args, size, upstream)
     for name, g, a in zip(case.arg_names, got, again):
         assert torch.equal(g, a), f"grad {name} differs bitwise between two calls"
     if pc.dtype == F64:
@@ -245,6 +245,6 @@ def test_natural_backward_choice(case, pc):
     bwd = f"{case.name}_backward"
     args, upstream = _bwd_inputs(case, pc.size, pc.dtype)
     _prime(case, pc.path, backward=True)
-    _grads(case, case.fn, args, pc.size, upstream)
+    _grads(case, case.bwd_fn or case.fn, args, pc.size, upstream)
     torch.cuda.synchronize()
     assert _paths.last(bwd) == pc.path, f"{bwd} at {pc.size} took {_paths.last(bwd)!r}, expected {pc.path!r}"

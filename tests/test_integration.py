@@ -79,10 +79,11 @@ def _deterministic():
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
-def _forward_backward(case, args, size):
-    """The outputs, then (a differentiable op) the gradients of every input."""
+def _forward_backward(case, args, size, backward_op=False):
+    """The outputs, then (a differentiable op) the gradients of every input;
+    backward_op: through the function whose gradients run <op>_backward."""
     args = [a.detach().clone().requires_grad_(case.differentiable) for a in args]
-    outs = case.fused(args, size)
+    outs = case.fused_for_backward(args, size) if backward_op else case.fused(args, size)
     if not case.differentiable:
         return outs
     grads = torch.autograd.grad(_loss(outs), args)
@@ -123,11 +124,12 @@ def test_deterministic_algorithms_every_cuda_path(case, op, pc, config, monkeypa
     else:
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
     args = case.inputs(pc.size, dtype=pc.dtype, device="cuda")
+    backward_op = op.endswith("_backward")
     with _paths.force(op, pc.path):
-        want = _forward_backward(case, args, pc.size)
+        want = _forward_backward(case, args, pc.size, backward_op)
         try:
             with _deterministic():
-                got = _forward_backward(case, args, pc.size)
+                got = _forward_backward(case, args, pc.size, backward_op)
                 torch.cuda.synchronize()
         except RuntimeError as e:
             # Only cuBLAS may refuse, and only without the variable; the

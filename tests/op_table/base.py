@@ -105,6 +105,9 @@ class OpCase:
     # Arguments the Python function also takes as None (with a meaning of its
     # own: resample draws its uniforms); None there is refused by torch.ops only.
     optional_args: tuple = ()
+    # What the tests of the backward op's paths differentiate (None: fn):
+    # the function where a route of its own would bypass <op>_backward.
+    bwd_fn: Optional[Callable] = None
     # dtype of the inputs -> [dtype per output]; None: every output has the inputs' dtype.
     out_dtypes: Optional[Callable] = None
     # The arguments in the inputs' floating dtype (what bfloat16/float16 inputs
@@ -227,6 +230,10 @@ class OpCase:
 
     def fused(self, args, size):
         return self.call(self.fn, args, size)
+
+    def fused_for_backward(self, args, size):
+        """The outputs whose gradients run ``<op>_backward`` (bwd_fn's)."""
+        return self.call(self.bwd_fn or self.fn, args, size)
 
     def ref(self, args, size):
         return self.call(self.reference, args, size)

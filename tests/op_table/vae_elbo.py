@@ -164,6 +164,10 @@ VAE_ELBO = OpCase(
     name="vae_elbo",
     fn=fused_ops.vae_elbo,
     packet=torch.ops.fused_ops.vae_elbo,
+    # The op itself: its autograd is vae_elbo_backward at every size, where
+    # fused_ops.vae_elbo takes the training pair at large CUDA batches
+    # (test_vae_elbo_grad.py tests that route).
+    bwd_fn=torch.ops.fused_ops.vae_elbo,
     reference=vae_reference,
     make=lambda s, **kw: make_vae_inputs(*s, **kw),
     arg_names=VAE_ARG_NAMES,

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 
+#include "cuda/primitives/int_divider.cuh"
+
 namespace fused_ops {
 namespace cuda {
 
@@ -141,10 +143,22 @@ struct StoreEpilogue {
 // per element, so an epilogue may overwrite the element it reads.  The
 // persistent and the cuBLAS paths of a backward op thus share one copy of
 // each elementwise stage's arithmetic.
+// Below 2^31 elements the flat index is split into (row, column) by a
+// host-prepared divider (a multiply-high and a shift) instead of a 64-bit
+// division, which costs more than a cheap epilogue's own arithmetic.
 template <typename T, typename Epi>
 __global__ void __launch_bounds__(kTileThreads)
-    apply_epilogue_kernel(const T* v, int64_t ldv, int64_t rows, int64_t cols, Epi epi) {
+    apply_epilogue_kernel(const T* v, int64_t ldv, int64_t rows, int64_t cols, IntDivider by_cols, Epi epi) {
   const int64_t total = rows * cols;
+  if (total < (int64_t(1) << 31)) {  // uniform: the divider's range
+    const unsigned n = unsigned(total), stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+      unsigned r, c;
+      by_cols.divmod(i, r, c);
+      epi(int64_t(r), int64_t(c), v[int64_t(r) * ldv + c]);
+    }
+    return;
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
@@ -155,8 +169,9 @@ __global__ void __launch_bounds__(kTileThreads)
 template <typename T, typename Epi>
 void apply_epilogue(cudaStream_t stream, const T* v, int64_t ldv, int64_t rows, int64_t cols, Epi epi) {
   const int64_t blocks = (rows * cols + kTileThreads - 1) / kTileThreads;
-  const unsigned grid = unsigned(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks));
-  apply_epilogue_kernel<T, Epi><<<grid, kTileThreads, 0, stream>>>(v, ldv, rows, cols, epi);
+  const unsigned grid = unsigned(blocks < 1 ? 1 : (blocks > 8192 ? 8192 : blocks));
+  const IntDivider by_cols(cols >= 1 && cols < (int64_t(1) << 31) ? unsigned(cols) : 1u);
+  apply_epilogue_kernel<T, Epi><<<grid, kTileThreads, 0, stream>>>(v, ldv, rows, cols, by_cols, epi);
 }
 
 template <typename T, typename Epi>

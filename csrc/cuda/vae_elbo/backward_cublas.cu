@@ -10,8 +10,8 @@
 // products through common/matmul.h (aten::mm.out on views of raw buffers, on
 // torch's current stream, no transposes copied) and the elementwise stages
 // (backward_paths.cuh) as cuda::apply_epilogue launches between them: 13
-// products, 9 kernels and 2 device copies.  All five bias gradients are one
-// column-sum launch (double accumulation, fixed order).
+// products, 10 kernels and 2 device copies.  All five bias gradients are one
+// two-launch column sum (double accumulation, fixed order).
 // Workspace: B * (I + 4H + 6L) elements plus [w_mu; w_logvar] (2 L H).
 //
 // vae_elbo_train_backward runs the same chain on the activations
@@ -58,12 +58,17 @@ __global__ void add_kernel(T* out, const T* v, int64_t n) {
     out[k] += v[k];
 }
 
-// Column sums of several row-major matrices of B rows in one launch (the bias
-// gradients): job blockIdx.y computes out[j] = sum_r in[r * ld + j], j < n.
-// Block (32, 32) per 32 columns; thread (tx, ty) sums rows ty, ty + 32, ...
-// of column tx in double, then row 0 adds the 32 partials in order.  Fixed
-// order, no atomics.
+// Column sums of several row-major matrices of B rows (the bias gradients),
+// in two launches with a fixed order and no atomics.  Pass 1: job
+// blockIdx.y, row split blockIdx.z (rows [z S, (z + 1) S), S = ceil(B /
+// splits)), 32 columns per block; thread (tx, ty) of a (32, 8) block sums
+// rows ty, ty + 8, ... of its split of column tx in double, the 8 partials
+// are added in order and stored to part[(job splits + split) ld_part + j].
+// Pass 2 adds each column's `splits` partials in split order.  Splitting the
+// rows keeps the SMs busy: one block per 32 columns over all 8192 rows was a
+// chain of 256 dependent loads per thread.
 constexpr int kColSumJobs = 5;
+constexpr int kColRows = 8;
 
 template <typename T>
 struct ColSumJob {
@@ -79,21 +84,60 @@ struct ColSumJobs {
 };
 
 template <typename T>
-__global__ void column_sums_kernel(const ColSumJobs<T> jobs) {
-  __shared__ double part[32][33];
+__global__ void column_partials_kernel(const ColSumJobs<T> jobs, double* part, int64_t ld_part,
+                                       int64_t split_rows) {
+  __shared__ double acc_s[kColRows][32];
   const ColSumJob<T> jb = jobs.job[blockIdx.y];
   if (int64_t(blockIdx.x) * 32 >= jb.n) return;  // uniform over the block
   const int64_t j = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.z) * split_rows;
+  const int64_t r1 = r0 + split_rows < jobs.rows ? r0 + split_rows : jobs.rows;
   double acc = 0;
   if (j < jb.n)
-    for (int64_t r = threadIdx.y; r < jobs.rows; r += 32) acc += double(jb.in[r * jb.ld + j]);
-  part[threadIdx.y][threadIdx.x] = acc;
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) acc += double(jb.in[r * jb.ld + j]);
+  acc_s[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && j < jb.n) {
     double s = 0;
-    for (int k = 0; k < 32; ++k) s += part[k][threadIdx.x];
-    jb.out[j] = T(s);
+    for (int k = 0; k < kColRows; ++k) s += acc_s[k][threadIdx.x];
+    part[(int64_t(blockIdx.y) * gridDim.z + blockIdx.z) * ld_part + j] = s;
   }
+}
+
+template <typename T>
+__global__ void column_finish_kernel(const ColSumJobs<T> jobs, const double* part, int64_t ld_part,
+                                     int splits) {
+  const ColSumJob<T> jb = jobs.job[blockIdx.y];
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= jb.n) return;
+  double s = 0;
+  for (int k = 0; k < splits; ++k) s += part[(int64_t(blockIdx.y) * splits + k) * ld_part + j];
+  jb.out[j] = T(s);
+}
+
+// Row splits for B rows: about 256 rows each, at most 64.
+inline int column_splits(int64_t rows) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(64, (rows + 255) / 256)));
+}
+
+// Workspace of the partials, in elements of T (doubles, 8-byte aligned).
+template <typename T>
+int64_t column_part_elems(int64_t rows, int64_t max_n) {
+  return (int64_t(kColSumJobs) * column_splits(rows) * max_n * int64_t(sizeof(double)) + sizeof(T) - 1) /
+         int64_t(sizeof(T));
+}
+
+template <typename T>
+void column_sums(const ColSumJobs<T>& jobs, int64_t max_n, T* workspace, cudaStream_t stream) {
+  const int splits = column_splits(jobs.rows);
+  const int64_t split_rows = (jobs.rows + splits - 1) / splits;
+  double* part = reinterpret_cast<double*>(workspace);
+  column_partials_kernel<T><<<dim3(unsigned((max_n + 31) / 32), kColSumJobs, unsigned(splits)),
+                              dim3(32, kColRows), 0, stream>>>(jobs, part, max_n, split_rows);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  column_finish_kernel<T><<<dim3(unsigned((max_n + 127) / 128), kColSumJobs), 128, 0, stream>>>(
+      jobs, part, max_n, splits);
+  FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
 // The forward chain on cuBLAS into the given buffers: h [B, H], ml [B, 2L]
@@ -164,15 +208,17 @@ void run_cublas(const VaeElboBackwardCall& c, const T* saved) {
   // Workspace, each piece starting on a multiple of 4 elements; the forward's
   // activations only when they are recomputed.
   const int64_t n_fwd = saved ? 0 : up4(B * H) + up4(B * 2 * L) + up4(B * L) + up4(B * H);
+  const int64_t max_n = std::max(I, std::max(H, L));
   const int64_t n_a3 = up4(B * I), n_ga2 = up4(B * H), n_gz = up4(B * L), n_gml = up4(B * 2 * L),
-                n_ga1 = up4(B * H), n_w = up4(2 * L * H);
-  Tensor ws = empty_like_device(c.x, {n_fwd + n_a3 + n_ga2 + n_gz + n_gml + n_ga1 + n_w});
+                n_ga1 = up4(B * H), n_w = up4(2 * L * H), n_part = up4(column_part_elems<T>(B, max_n));
+  Tensor ws = empty_like_device(c.x, {n_fwd + n_a3 + n_ga2 + n_gz + n_gml + n_ga1 + n_w + n_part});
   T* a3 = mdata<T>(ws) + n_fwd;
   T* ga2 = a3 + n_a3;
   T* gz = ga2 + n_ga2;
   T* gml = gz + n_gz;
   T* ga1 = gml + n_gml;
   T* w_mulv = ga1 + n_ga1;  // [w_mu; w_logvar], [2L, H]
+  T* col_part = w_mulv + n_w;  // the column sums' double partials (16-byte aligned: offsets up4)
   stack_heads(c, w_mulv, stream);
 
   const T *h, *ml, *z, *g, *logits, *b_logits;
@@ -226,9 +272,7 @@ void run_cublas(const VaeElboBackwardCall& c, const T* saved) {
                             {gml + L, 2 * L, L, gb_lv},
                             {ga1, H, H, gb_enc}},
                            B};
-  const int64_t max_n = std::max(I, std::max(H, L));
-  column_sums_kernel<T><<<dim3(unsigned((max_n + 31) / 32), kColSumJobs), dim3(32, 32), 0, stream>>>(jobs);
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
+  column_sums(jobs, max_n, col_part, stream);
   if (!with_gx) return;
   T* t = a3;
   matmul(static_cast<const T*>(ga1), H, 1, w_enc, I, 1, t, I, B, I, H, dev);

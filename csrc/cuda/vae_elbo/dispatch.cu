@@ -115,6 +115,13 @@ void launch_forward_then_activations(const Launch& l) {
   vae_elbo_backward_kernels::store_activations_cublas(*l.train, l.train->saved);
 }
 
+// The wgmma kernel stores the activations itself, unless vae_elbo's path is
+// forced (fused_ops._paths): then the forced forward kernel runs, through
+// the fallback, on this route too.
+bool train_wgmma_applies(const Launch& l) {
+  return kPaths.forced_name() == nullptr && bernoulli_and<vae_elbo_kernels::wgmma_applies>(l);
+}
+
 // vae_elbo_train: vae_elbo's losses plus the activations its backward reads
 // (csrc/vae_elbo.h, VaeSavedLayout).  fused_ops.vae_elbo sends CUDA calls
 // that need gradients here where vae_elbo_backward would take its cuBLAS
@@ -122,10 +129,10 @@ void launch_forward_then_activations(const Launch& l) {
 // products, and x's gradient when x needs none.
 const dispatch::PathTable<Launch, 2> kTrainPaths("vae_elbo_train", "cuda", {{
     {"wgmma", "the wgmma forward's conditions (Bernoulli likelihood, float32, B >= 2048, H == 256, "
-              "L <= 32, sm_90a build on a compute capability 9.0 GPU)",
+              "L <= 32, sm_90a build on a compute capability 9.0 GPU), vae_elbo's path not forced",
      "the wgmma kernel storing each activation where it forms it: the forward's speed plus "
      "B (2H + 3L + I) stores",
-     bernoulli_and<vae_elbo_kernels::wgmma_applies>, vae_elbo_kernels::launch_wgmma},
+     train_wgmma_applies, vae_elbo_kernels::launch_wgmma},
     {"forward_then_activations", "anything else",
      "vae_elbo's path for the losses, then the activations by cuBLAS products (the forward "
      "products the recomputing backward would run)",
