@@ -11,7 +11,7 @@
 //   recon(A, b, x, s, kl, recon, elbo, rows, I, lk) A += b; recon per row; elbo = -(recon + kl)
 //   recon_backward(GA, A, x, s, ge, gr, gk, GX, GS, rows, I, lk)
 //                                                   d = gr - ge per row: GA = d dterm/da,
-//                                                   GX = d dterm/dx, GS = d dterm/ds (s given)
+//                                                   GX = d dterm/dx (GX given), GS = d dterm/ds (s given)
 //   head_backward(GML, GZ, ML, eps, ge, gk, GEPS, rows, L)
 //                                                   c = gk - ge: gmu = gz + c mu,
 //                                                   glv = gz eps std / 2 - c (1 - exp(lv)) / 2,
@@ -152,7 +152,7 @@ void vae_mlp_backward_run(const VaeMlpPtrs<T>& p, const Ops& ops, const T* ge, c
     return;
   }
   const int64_t acts_size = VaeMlpActs<T>::size(p, B, true);
-  int64_t gsize = 3 * B * L + B * I;  // GML, GZ, the target gradient
+  int64_t gsize = 3 * B * L + (g.x ? B * I : 0);  // GML, GZ, the target gradient (x's)
   for (int64_t l = 0; l < p.Le; ++l) gsize += B * p.ewidth[l];
   for (int64_t l = 0; l < p.Ld; ++l) gsize += B * p.dwidth[l];
   if (g.dec_logvar) gsize += B * I;
@@ -171,7 +171,7 @@ void vae_mlp_backward_run(const VaeMlpPtrs<T>& p, const Ops& ops, const T* ge, c
   for (int64_t l = 0; l < p.Ld; ++l) G_dec[l] = take(B * p.dwidth[l]);
   T* GML = take(2 * B * L);
   T* GZ = take(B * L);
-  T* GXt = take(B * I);
+  T* GXt = g.x ? take(B * I) : nullptr;  // the likelihood's gradient at x, when x's is asked for
   T* GS = g.dec_logvar ? take(B * I) : nullptr;
   T* losses = take(3 * B);
   vae_mlp_forward_rows(p, ops, 0, B, a, losses, losses + B, losses + 2 * B, dev);

@@ -66,12 +66,14 @@ struct VaeMlpCpuOps : OdeCpuOps<T> {
       const T d = (gr ? gr[r] : T(0)) - (ge ? ge[r] : T(0));
       for (int64_t i = 0; i < I; ++i) {
         const int64_t e = r * I + i;
+        T gx;
         if (s) {
           gaussian_nll_backward(A[e], x[e], s[i], d, GA[e], GS[e]);
-          GX[e] = -GA[e];
+          gx = -GA[e];
         } else {
-          ::fused_ops::recon_backward(likelihood, A[e], x[e], d, GA[e], GX[e]);
+          ::fused_ops::recon_backward(likelihood, A[e], x[e], d, GA[e], gx);
         }
+        if (GX) GX[e] = gx;
       }
     }
   }

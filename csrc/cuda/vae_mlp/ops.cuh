@@ -90,7 +90,7 @@ __global__ void recon_backward_kernel(T* GA, const T* A, const T* x, const T* s,
       recon_backward(likelihood, A[e], x[e], d, ga, gx);
     }
     GA[e] = ga;
-    GX[e] = gx;
+    if (GX) GX[e] = gx;
   }
 }
 
