@@ -43,9 +43,24 @@ def last(op, device="cuda"):
     return _C._last_path(op, device)
 
 
+_forced = {}  # (op, device) -> the forced path, as set here
+
+
 def set_forced(op, path, device="cuda"):
     """Force ``path`` for later calls of ``op`` (None: back to the table's choice)."""
     _C._force_path(op, device, path)
+    if path is None:
+        _forced.pop((op, device), None)
+    else:
+        _forced[(op, device)] = path
+
+
+def forced(op, device="cuda"):
+    """The path forced for ``op`` (None: the table chooses).  A Python
+    function with routes of its own keeps a call on the route whose op has a
+    forced path (``fused_ops.vae_elbo``: a forced ``vae_elbo`` or
+    ``vae_elbo_backward`` path keeps training calls off the training pair)."""
+    return _forced.get((op, device))
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ identity mean), each against the PyTorch expression it replaces in float32
 and float64 with the gradients of every input; gradcheck; the op's own
 contract for a non-default code (opcheck, fake, compile, bad codes with the
 same message on the CPU and at trace time); the CUDA path rule (only the
-general forward path computes them; both backward paths do); a Gaussian VAE
+cublas and general forward paths compute them; both backward paths do); a Gaussian VAE
 built from the user's layers, trained against the same model trained by
 plain PyTorch; and the Gaussian with a learned per-dimension log-variance
 (``dec_logvar``) against ``Normal.log_prob``.  The default likelihood is the op table's
@@ -137,8 +137,9 @@ def test_compile_fullgraph():
 @pytest.mark.parametrize("likelihood", OTHERS)
 @pytest.mark.parametrize("bwd_path", ["persistent", "cublas"])
 def test_cuda_paths(likelihood, bwd_path):
-    """The forward takes the general path (the fast paths compute the
-    Bernoulli term only, and refuse when forced); both backward paths."""
+    """The forward takes the cublas path at B >= 2048 (the tensor-core and
+    cluster paths compute the Bernoulli term only, and refuse when forced);
+    both backward paths."""
     args32 = VAE_ELBO.inputs((2048, 784, 256, 32), device="cuda")  # where wgmma, tiled, cluster all apply
     for path in ("wgmma", "tiled", "cluster"):
         with _paths.force("vae_elbo", path):
@@ -146,7 +147,7 @@ def test_cuda_paths(likelihood, bwd_path):
             with pytest.raises(RuntimeError, match=path):
                 fused_ops.vae_elbo(*args32, likelihood=likelihood)
     got32 = fused_ops.vae_elbo(*args32, likelihood=likelihood)
-    assert _paths.last("vae_elbo") == "general"
+    assert _paths.last("vae_elbo") == "cublas"
     for g, w in zip(got32, reference(*args32, likelihood)):
         torch.testing.assert_close(g, w, **tol(torch.float32))
     args = _inputs((128, 784, 256, 32), torch.float64, "cuda", likelihood)

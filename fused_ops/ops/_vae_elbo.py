@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _eager
+from .. import _eager, _paths
 from . import _dtypes
 from ._checks import check, check_rank, check_same_float_dtype_and_device, check_size, shape_str
 
@@ -116,8 +116,10 @@ def vae_elbo(
     decoder ending in a Sigmoid (images in [0, 1]), "gaussian" for one ending
     in its Linear.  The targets' range is checked (CPU) only for
     "bernoulli", as ``binary_cross_entropy`` checks it.  Other likelihoods
-    run on the CPU and on CUDA's general path (the fast CUDA paths compute
-    the Bernoulli term only): a Gaussian VAE on CUDA is correct but slower.
+    run on the CPU and, on CUDA, on the cublas path at B >= 2048 and the
+    general path below (the tensor-core and cluster paths compute the
+    Bernoulli term only): a small Gaussian batch on CUDA is correct but
+    slower.
 
     The clamp at -100 is PyTorch's ``binary_cross_entropy``'s: once the logit
     passes ~17, ``p`` rounds to exactly 1.0 in float32 and the clamp applies.
@@ -285,14 +287,18 @@ def _keeps_activations(args) -> bool:
     (``vae_elbo_train``, which keeps the activations): every CPU call; a
     CUDA call where ``vae_elbo_backward`` would recompute the forward with
     cuBLAS products (``B H (6 I + 8 L)`` above 1.5e9 multiply-adds, B > 1181
-    at 784-256-32).  Below, its one-launch backward recomputes the forward
-    faster than a saved buffer would be written and read."""
+    at 784-256-32) and no ``vae_elbo`` or ``vae_elbo_backward`` path is
+    forced (``fused_ops._paths``: the forced kernel then runs).  Below, the
+    one-launch backward recomputes the forward faster than a saved buffer
+    would be written and read."""
     x, w_enc, w_mu = args[0], args[2], args[4]
     if not isinstance(x, Tensor) or x.is_cpu:
         return isinstance(x, Tensor)
     if not (x.is_cuda and x.dim() == 2 and isinstance(w_enc, Tensor) and w_enc.dim() == 2
             and isinstance(w_mu, Tensor) and w_mu.dim() == 2):
         return False  # the op's checks name what is wrong
+    if _paths._forced and (_paths.forced("vae_elbo") or _paths.forced("vae_elbo_backward")):
+        return False
     (b, i), h, l_ = x.shape, w_enc.shape[0], w_mu.shape[0]
     return b * h * (6 * i + 8 * l_) > _PERSISTENT_MAX_MACS
 

@@ -16,15 +16,12 @@
 //
 // vae_elbo_train_backward runs the same chain on the activations
 // vae_elbo_train saved (no forward products: 9 products, or 8 without x's
-// gradient; workspace B * (I + 2H + 3L) + 2 L H), and the train forward's
-// fallback path stores those activations with the forward chain here
-// (store_activations_cublas).
+// gradient; workspace B * (I + 2H + 3L) + 2 L H).  The forward chain is
+// cublas_chain.cuh's, shared with the forward's cublas path.
 
 #include <algorithm>
 
-#include "common/matmul.h"
-#include "cuda/primitives/tile_gemm.cuh"
-#include "cuda/vae_elbo/backward_paths.cuh"
+#include "cuda/vae_elbo/cublas_chain.cuh"
 
 namespace fused_ops {
 namespace vae_elbo_backward_kernels {
@@ -36,20 +33,6 @@ unsigned grid_for(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, 65535)));
 }
-
-// The cuBLAS path's latent stage in one launch: ml [B, 2L] holds h @
-// [w_mu; w_logvar]^T; adds both biases in place, then z.
-template <typename T>
-struct LatentForward {
-  AddBias<T> mu, lv;
-  Reparameterize<T> reparameterize;
-  __device__ void operator()(int64_t b, int64_t l, T) const {
-    const int64_t L = reparameterize.L;
-    mu(b, l, mu.c[b * 2 * L + l]);
-    lv(b, l, lv.c[b * 2 * L + l]);
-    reparameterize(b, l, T(0));
-  }
-};
 
 template <typename T>
 __global__ void add_kernel(T* out, const T* v, int64_t n) {
@@ -140,38 +123,6 @@ void column_sums(const ColSumJobs<T>& jobs, int64_t max_n, T* workspace, cudaStr
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
 
-// The forward chain on cuBLAS into the given buffers: h [B, H], ml [B, 2L]
-// (mu | logvar, biases added), z [B, L], g [B, H] and the logits before
-// their bias [B, I].  w_mulv: [w_mu; w_logvar] [2L, H], one head product.
-template <typename T>
-void forward_chain(const VaeElboInputs& c, const T* w_mulv, T* h, T* ml, T* z, T* g, T* a3) {
-  const int64_t B = c.B, I = c.I, H = c.H, L = c.L;
-  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
-  const torch::stable::Device dev = c.x.device();
-  linear_nt(cdata<T>(c.x), I, cdata<T>(c.w_enc), I, h, H, B, H, I, dev);
-  cuda::apply_epilogue(stream, h, H, B, H, AddBiasRelu<T>{h, H, cdata<T>(c.b_enc)});
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
-  linear_nt(static_cast<const T*>(h), H, w_mulv, H, ml, 2 * L, B, 2 * L, H, dev);
-  cuda::apply_epilogue(stream, ml, 2 * L, B, L,
-                       LatentForward<T>{{ml, 2 * L, cdata<T>(c.b_mu)},
-                                        {ml + L, 2 * L, cdata<T>(c.b_logvar)},
-                                        {ml, cdata<T>(c.eps), z, L}});
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
-  linear_nt(static_cast<const T*>(z), L, cdata<T>(c.w_dec1), L, g, H, B, H, L, dev);
-  cuda::apply_epilogue(stream, g, H, B, H, AddBiasRelu<T>{g, H, cdata<T>(c.b_dec1)});
-  FUSED_OPS_CUDA_LAUNCH_CHECK();
-  linear_nt(static_cast<const T*>(g), H, cdata<T>(c.w_dec2), H, a3, I, B, I, H, dev);
-}
-
-// [w_mu; w_logvar] [2L, H] into w_mulv (two device copies).
-template <typename T>
-void stack_heads(const VaeElboInputs& c, T* w_mulv, cudaStream_t stream) {
-  const size_t bytes = size_t(c.L * c.H) * sizeof(T);
-  FUSED_OPS_CUDA_CHECK(cudaMemcpyAsync(w_mulv, cdata<T>(c.w_mu), bytes, cudaMemcpyDeviceToDevice, stream));
-  FUSED_OPS_CUDA_CHECK(
-      cudaMemcpyAsync(w_mulv + c.L * c.H, cdata<T>(c.w_logvar), bytes, cudaMemcpyDeviceToDevice, stream));
-}
-
 constexpr int64_t up4(int64_t n) { return (n + 3) / 4 * 4; }
 
 // saved: vae_elbo_train's activations (VaeSavedLayout, logits with their
@@ -219,7 +170,7 @@ void run_cublas(const VaeElboBackwardCall& c, const T* saved) {
   T* ga1 = gml + n_gml;
   T* w_mulv = ga1 + n_ga1;  // [w_mu; w_logvar], [2L, H]
   T* col_part = w_mulv + n_w;  // the column sums' double partials (16-byte aligned: offsets up4)
-  stack_heads(c, w_mulv, stream);
+  vae_elbo_chain::stack_heads(c, w_mulv, static_cast<T*>(nullptr), stream);
 
   const T *h, *ml, *z, *g, *logits, *b_logits;
   if (saved) {
@@ -235,7 +186,7 @@ void run_cublas(const VaeElboBackwardCall& c, const T* saved) {
     T* ml_ = h_ + up4(B * H);
     T* z_ = ml_ + up4(B * 2 * L);
     T* g_ = z_ + up4(B * L);
-    forward_chain(c, static_cast<const T*>(w_mulv), h_, ml_, z_, g_, a3);
+    vae_elbo_chain::forward_chain(c, static_cast<const T*>(w_mulv), h_, ml_, z_, g_, a3);
     h = h_, ml = ml_, z = z_, g = g_;
     logits = a3;  // BCE backward turns them into their gradient in place
     b_logits = cdata<T>(c.b_dec2);
@@ -288,22 +239,6 @@ void launch_cublas(const BackwardLaunch& l) {
   } else {
     run_cublas<double>(l.c, l.saved ? cdata<double>(*l.saved) : nullptr);
   }
-}
-
-void store_activations_cublas(const VaeElboInputs& c, const Tensor& saved) {
-  const cudaStream_t stream = cuda::current_stream(cuda::current_device());
-  dispatch_float(c.x.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const VaeSavedLayout lay(c.B, c.I, c.H, c.L);
-    Tensor w = empty_like_device(c.x, {2 * c.L * c.H});
-    T* w_mulv = mdata<T>(w);
-    stack_heads(c, w_mulv, stream);
-    T* s = mdata<T>(saved);
-    T* logits = s + lay.logits;
-    forward_chain(c, static_cast<const T*>(w_mulv), s + lay.h, s + lay.ml, s + lay.z, s + lay.g, logits);
-    cuda::apply_epilogue(stream, logits, c.I, c.B, c.I, AddBias<T>{logits, c.I, cdata<T>(c.b_dec2)});
-    FUSED_OPS_CUDA_LAUNCH_CHECK();
-  });
 }
 
 }  // namespace vae_elbo_backward_kernels

@@ -40,10 +40,6 @@ bool persistent_applies(const BackwardLaunch& l);
 void launch_persistent(const BackwardLaunch& l);
 // backward_cublas.cu: any call
 void launch_cublas(const BackwardLaunch& l);
-// backward_cublas.cu: vae_elbo_train's activations (VaeSavedLayout) of a
-// float32 or float64 call into `saved`, by the cuBLAS forward chain (the
-// train forward's path where its kernels do not store them).
-void store_activations_cublas(const VaeElboInputs& c, const Tensor& saved);
 
 __device__ __forceinline__ float dexp(float v) { return expf(v); }
 __device__ __forceinline__ double dexp(double v) { return exp(v); }

@@ -18,7 +18,6 @@
 
 #include "common/dispatch.h"
 #include "common/low_precision.h"
-#include "cuda/vae_elbo/backward_paths.cuh"
 #include "cuda/vae_elbo/paths.cuh"
 
 namespace fused_ops {
@@ -33,7 +32,7 @@ bool bernoulli_and(const Launch& l) {
   return l.c.likelihood == kBernoulli && Applies(l);
 }
 
-const dispatch::PathTable<Launch, 5> kPaths("vae_elbo", "cuda", {{
+const dispatch::PathTable<Launch, 6> kPaths("vae_elbo", "cuda", {{
     {"tiled_bf16",
      "Bernoulli likelihood, bfloat16, B >= 2048, sm_80+, H % 16 == 0, H <= 256, a 64-row tile fits "
      "in shared memory",
@@ -49,6 +48,10 @@ const dispatch::PathTable<Launch, 5> kPaths("vae_elbo", "cuda", {{
      "in shared memory",
      "3xTF32 mma.sync, 64 rows per CTA on chip: large batches the wgmma path does not take",
      bernoulli_and<vae_elbo_kernels::tiled_applies>, vae_elbo_kernels::launch_tiled},
+    {"cublas", "B >= 2048 (float32 or float64, any likelihood) where no tensor-core path applies",
+     "four cuBLAS products with fused epilogues: large batches of wide layers, float64 and the other "
+     "likelihoods, where the CUDA-core and per-sample paths fall behind",
+     vae_elbo_kernels::cublas_applies, vae_elbo_kernels::launch_cublas},
     {"cluster",
      "Bernoulli likelihood, float32, sm_90+, a 16-row tile's activations fit in shared memory "
      "(<= 200 KB), 8 or 16 CTAs fit a cluster",
@@ -107,36 +110,21 @@ VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_
   return c.result();
 }
 
-// vae_elbo_train's fallback: the losses by vae_elbo's own table (bitwise its
-// outputs), then the activations by the cuBLAS forward chain.
-void launch_forward_then_activations(const Launch& l) {
-  Launch forward{l.c, l.f32, l.a};
-  kPaths.run(forward);
-  vae_elbo_backward_kernels::store_activations_cublas(*l.train, l.train->saved);
-}
-
-// The wgmma kernel stores the activations itself, unless vae_elbo's path is
-// forced (fused_ops._paths): then the forced forward kernel runs, through
-// the fallback, on this route too.
-bool train_wgmma_applies(const Launch& l) {
-  return kPaths.forced_name() == nullptr && bernoulli_and<vae_elbo_kernels::wgmma_applies>(l);
-}
-
 // vae_elbo_train: vae_elbo's losses plus the activations its backward reads
 // (csrc/vae_elbo.h, VaeSavedLayout).  fused_ops.vae_elbo sends CUDA calls
 // that need gradients here where vae_elbo_backward would take its cuBLAS
-// path (fused_ops/ops/_vae_elbo.py): those skip the backward's forward
-// products, and x's gradient when x needs none.
+// path and no path is forced (fused_ops/ops/_vae_elbo.py): those skip the
+// backward's forward products, and x's gradient when x needs none.
 const dispatch::PathTable<Launch, 2> kTrainPaths("vae_elbo_train", "cuda", {{
     {"wgmma", "the wgmma forward's conditions (Bernoulli likelihood, float32, B >= 2048, H == 256, "
-              "L <= 32, sm_90a build on a compute capability 9.0 GPU), vae_elbo's path not forced",
+              "L <= 32, sm_90a build on a compute capability 9.0 GPU)",
      "the wgmma kernel storing each activation where it forms it: the forward's speed plus "
      "B (2H + 3L + I) stores",
-     train_wgmma_applies, vae_elbo_kernels::launch_wgmma},
-    {"forward_then_activations", "anything else",
-     "vae_elbo's path for the losses, then the activations by cuBLAS products (the forward "
-     "products the recomputing backward would run)",
-     dispatch::always<Launch>, launch_forward_then_activations},
+     bernoulli_and<vae_elbo_kernels::wgmma_applies>, vae_elbo_kernels::launch_wgmma},
+    {"cublas", "anything else",
+     "the forward's cublas chain with its activations in the saved buffer (their products are "
+     "the ones the recomputing backward would run)",
+     dispatch::always<Launch>, vae_elbo_kernels::launch_cublas},
 }});
 
 // The checks of the CPU wrapper (csrc/cpu/vae_elbo/forward.cpp): no bfloat16.

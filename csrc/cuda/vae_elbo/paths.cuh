@@ -1,10 +1,10 @@
-// \brief What the five CUDA paths of fused_ops::vae_elbo share: the kernels'
+// \brief What the six CUDA paths of fused_ops::vae_elbo share: the kernels'
 // argument struct, the one call type of the dispatch table (dispatch.cu),
 // the launchers' and predicates' declarations, and the device helpers every
 // kernel uses (ReLU, a row's three outputs).
 //
-// Each path lives in its own file (wgmma.cu, tiled.cu, cluster.cu,
-// general.cu) with its kernels in an anonymous namespace; the launchers and
+// Each path lives in its own file (wgmma.cu, tiled.cu, cublas.cu,
+// cluster.cu, general.cu) with its kernels in an anonymous namespace; the launchers and
 // predicates that dispatch.cu calls live in fused_ops::vae_elbo_kernels.
 // A predicate is the complete condition under which its launcher is
 // correct; a launcher runs only after its predicate held (PathTable checks
@@ -113,6 +113,9 @@ bool tiled_applies(const Launch& l);
 void launch_tiled(const Launch& l);
 bool tiled_bf16_applies(const Launch& l);
 void launch_tiled_bf16(const Launch& l);
+// cublas.cu (also vae_elbo_train's: with l.train, into its saved buffer)
+bool cublas_applies(const Launch& l);
+void launch_cublas(const Launch& l);
 // cluster.cu
 bool cluster_applies(const Launch& l);
 void launch_cluster(const Launch& l);
