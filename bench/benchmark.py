@@ -240,6 +240,8 @@ def run_case(
                 row["variants"][name] = {"status": "skipped", "reason": skip_reason}
                 continue
             unchecked = name in workload.peers and not workload.peers[name].checked
+            if name == FUSED:
+                clear_kernel_paths()  # so that the report names only what this variant ran
             result, outputs = measure_variant(name, build, inputs, device, None if unchecked else expected,
                                               min_run_time, label, **check)
             if name == EAGER:
@@ -270,10 +272,23 @@ def run_case(
     return row
 
 
+def clear_kernel_paths() -> None:
+    """Forget the paths earlier calls took (a build without the hook: nothing)."""
+    try:
+        from fused_ops import _paths
+
+        _paths.clear_last()
+    except (ImportError, AttributeError):
+        pass
+
+
 def kernel_paths(workload: Workload, device: torch.device, train: bool) -> Dict[str, str]:
     """The kernel path the latest fused call took, per op (``fused_ops._paths``):
-    the forward op's, and with ``train`` the backward op's.  Empty where the
-    build or the device has no path tables (the CPU kernels have one path)."""
+    the forward op's, and with ``train`` the backward op's and those of the
+    op's training pair (``<op>_train``, ``<op>_train_backward``) where it has
+    one; only the ops the variant ran (clear_kernel_paths before it).  Empty
+    where the build or the device has no path tables (the CPU kernels have
+    one path)."""
     if not workload.op:
         return {}
     try:
@@ -284,7 +299,7 @@ def kernel_paths(workload: Workload, device: torch.device, train: bool) -> Dict[
         known = {op for op, dev in _paths.tables() if dev == device.type}
     except AttributeError:  # a build whose library has no path tables
         return {}
-    ops = [workload.op] + ([workload.op + "_backward"] if train else [])
+    ops = [workload.op] + ([workload.op + s for s in ("_backward", "_train", "_train_backward")] if train else [])
     found = {op: _paths.last(op, device.type) for op in ops if op in known}
     return {op: path for op, path in found.items() if path is not None}
 

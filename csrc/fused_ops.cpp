@@ -87,6 +87,13 @@ PyObject* py_last_path(PyObject*, PyObject* args) {
   return str_or_none(last >= 0 ? t->names[last] : nullptr);
 }
 
+// _clear_last_paths(): every table's latest path back to none.
+PyObject* py_clear_last_paths(PyObject*, PyObject*) {
+  for (TableInfo* t : fused_ops::dispatch::registry()) t->last.store(-1, std::memory_order_relaxed);
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
 // _tables() -> [(op, device), ...]: every table this build registered.
 PyObject* py_tables(PyObject*, PyObject*) {
   PyObject* list = PyList_New(0);
@@ -104,6 +111,7 @@ PyMethodDef kMethods[] = {
     {"_force_path", py_force_path, METH_VARARGS, "(op, device, name or None)"},
     {"_last_path", py_last_path, METH_VARARGS, "(op, device) -> name or None"},
     {"_tables", py_tables, METH_NOARGS, "() -> [(op, device)]"},
+    {"_clear_last_paths", py_clear_last_paths, METH_NOARGS, "() -> None"},
     {nullptr, nullptr, 0, nullptr},
 };
 

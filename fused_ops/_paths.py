@@ -46,6 +46,11 @@ def last(op, device="cuda"):
 _forced = {}  # (op, device) -> the forced path, as set here
 
 
+def clear_last():
+    """Forget every table's latest path (``last`` is None until the next call)."""
+    _C._clear_last_paths()
+
+
 def set_forced(op, path, device="cuda"):
     """Force ``path`` for later calls of ``op`` (None: back to the table's choice)."""
     _C._force_path(op, device, path)

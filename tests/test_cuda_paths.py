@@ -248,3 +248,11 @@ def test_natural_backward_choice(case, pc):
     _grads(case, case.bwd_fn or case.fn, args, pc.size, upstream)
     torch.cuda.synchronize()
     assert _paths.last(bwd) == pc.path, f"{bwd} at {pc.size} took {_paths.last(bwd)!r}, expected {pc.path!r}"
+
+
+def test_clear_last_forgets_every_table():
+    case = CASES["vae_elbo"]
+    case.fused(case.inputs((5, 6, 7, 3), device="cuda"), (5, 6, 7, 3))
+    assert _paths.last("vae_elbo") is not None
+    _paths.clear_last()
+    assert all(_paths.last(op, dev) is None for op, dev in _paths.tables())

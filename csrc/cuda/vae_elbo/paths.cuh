@@ -55,23 +55,16 @@ inline Args<T> make_args(const VaeElboCall& c) {
 
 // Where vae_elbo_train's activations go (VaeSavedLayout's sections of its
 // `saved` output); all null for vae_elbo.
-// h_pairs, g_pairs, logits_pairs: the section's rows can be written as
-// 8-byte pairs of adjacent (even, odd) columns (an even row length and an
-// even offset into the 256-byte aligned buffer).
 template <typename T>
 struct Saved {
   T *h = nullptr, *ml = nullptr, *z = nullptr, *g = nullptr, *logits = nullptr;
-  bool h_pairs = false, g_pairs = false, logits_pairs = false;
 };
 
 template <typename T>
 inline Saved<T> make_saved(const VaeElboTrainCall& c) {
   const VaeSavedLayout lay(c.B, c.I, c.H, c.L);
   T* s = mdata<T>(c.saved);
-  const bool h_even = c.H % 2 == 0;
-  return Saved<T>{s + lay.h, s + lay.ml, s + lay.z, s + lay.g, s + lay.logits,
-                  h_even && lay.h % 2 == 0, h_even && lay.g % 2 == 0,
-                  c.I % 2 == 0 && lay.logits % 2 == 0};
+  return Saved<T>{s + lay.h, s + lay.ml, s + lay.z, s + lay.g, s + lay.logits};
 }
 
 // Which cluster kernel runs a call, in clusters of how many CTAs (0: the

@@ -117,17 +117,6 @@ static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
 constexpr int kPacks = 5;
 static_assert(kPacks <= cuda::wgs::kMaxPacks, "one packer launch");
 
-// Two adjacent floats of a row to p (p[1] only where `second`): one 8-byte
-// store where `pairs` (p then 8-byte aligned), else two.
-__device__ __forceinline__ void store_pair(float* p, float v0, float v1, bool pairs, bool second) {
-  if (pairs && second) {
-    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
-  } else {
-    p[0] = v0;
-    if (second) p[1] = v1;
-  }
-}
-
 struct WgWeights {
   const float *enc, *mulv, *d1, *d2, *d2_tail;
   int enc_chunks, full_passes, tail_passes;
@@ -154,14 +143,18 @@ __global__ void __launch_bounds__(kThreadsWg, 1)
   __syncthreads();
   // Stores relu(acc + bias) of this warpgroup's 128 columns as the next
   // A operand (split, over h's place) and publishes it to the tensor cores;
-  // kSave: also into `save` [B, H] (as float2 where `pairs`).
-  auto store_hidden = [&](const float(&acc)[kH / 4], const float* bias, float* save, bool pairs) {
+  // kSave: also into `save` [B, H].
+  auto store_hidden = [&](const float(&acc)[kH / 4], const float* bias, float* save) {
     for_each_pair<kH / 2>(acc, [&](int r, int, int c, float v0, float v1) {
       const int n = wgi * (kH / 2) + c;
       const float h0 = relu(v0 + __ldg(bias + n)), h1 = relu(v1 + __ldg(bias + n + 1));
       store_split_pair(smem, kHPlane, r, n, h0, h1);
       if constexpr (kSave) {
-        if (r < rows) store_pair(save + int64_t(row0 + r) * kH + n, h0, h1, pairs, true);
+        if (r < rows) {
+          float* at = save + int64_t(row0 + r) * kH + n;
+          at[0] = h0;
+          at[1] = h1;
+        }
       }
     });
     cuda::fence_proxy_async();
@@ -236,7 +229,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1)
     // overwrite the ring, and phase 2's first chunks (their ring above h,
     // over the x chunks) travel while h is stored.
     mulv_stream.prologue(bars);
-    store_hidden(hacc, a.b_enc, s.h, s.h_pairs);
+    store_hidden(hacc, a.b_enc, s.h);
   }
 
   // 2. mu (warpgroup 0) and logvar (warpgroup 1), 32 padded columns each;
@@ -337,7 +330,7 @@ __global__ void __launch_bounds__(kThreadsWg, 1)
     cuda::wgs::chunk_products<kH / 2>(hacc, d1_stream, 0, smem + kZ, kZPlane, bars);
     cuda::wgmma_wait<0>();
     __syncthreads();
-    store_hidden(hacc, a.b_d1, s.g, s.g_pairs);
+    store_hidden(hacc, a.b_d1, s.g);
   }
 
   // 4. Decoder logits into BCE sums, pass by pass: 128 columns (64 per
@@ -379,14 +372,8 @@ __global__ void __launch_bounds__(kThreadsWg, 1)
         const float logit = dacc[i] + bias[i / 4 * 2 + i % 2];
         const float t = bce_term_or_nan(logit, xin[i]);
         rsum[(i / 2) % 2] += (r < rows && n < I) ? t : 0.0f;  // a select: the terms interleave
-        if constexpr (kSave) dacc[i] = logit;
-      }
-      if constexpr (kSave) {  // the logits, pairs of adjacent columns (i, i + 1)
-#pragma unroll
-        for (int i = 0; i < NP / 4; i += 2) {
-          const int r = r0 + 8 * ((i / 2) % 2), n = n0 + 8 * (i / 4);
-          if (r < rows && n < I)
-            store_pair(s.logits + int64_t(row0 + r) * I + n, dacc[i], dacc[i + 1], s.logits_pairs, n + 1 < I);
+        if constexpr (kSave) {
+          if (r < rows && n < I) s.logits[int64_t(row0 + r) * I + n] = logit;
         }
       }
     };
