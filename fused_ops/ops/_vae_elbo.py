@@ -306,7 +306,8 @@ def _keeps_activations(args) -> bool:
 def _recording_a_portable_graph() -> bool:
     """Whether this call is being recorded into a graph that may later run
     on another device (torch.export, torch.jit.trace), which must then hold
-    the portable ``vae_elbo`` rather than the CPU-only training pair."""
+    the portable ``vae_elbo`` rather than the training pair, whose route
+    depends on the device and the batch."""
     return torch.compiler.is_exporting() or torch.jit.is_tracing()
 
 
@@ -315,7 +316,7 @@ def _check_args(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_
     """The argument rules of csrc/vae_elbo.h's check_vae_elbo_args, in its
     order and with its messages (fused_ops/ops/_checks.py); returns ``(B, I, H, L)``.
     ``allow_bfloat16``: ``vae_elbo`` and ``vae_elbo_backward`` take all-bfloat16
-    inputs (not the CPU training pair)."""
+    inputs (not the training pair)."""
     check_rank(x, "x", 2, "[B, I]")
     check_rank(eps, "eps", 2, "[B, L]")
     check_rank(w_enc, "w_enc", 2, "[H, I]")
