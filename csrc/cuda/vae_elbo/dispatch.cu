@@ -25,6 +25,16 @@ namespace {
 
 using vae_elbo_kernels::Launch;
 
+// What the CUDA kernels need beyond the op's checks: a CUDA x (the rest
+// is checked against it) and sizes their 32-bit indices hold.
+void check_cuda_call(const VaeElboInputs& c, const char* op) {
+  FUSED_OPS_CHECK(c.x.is_cuda(), "x must be a CUDA tensor, got ", device_str(c.x));
+  FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX, op,
+                  ": sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",
+                  "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
+                  ", L=", c.L);
+}
+
 // The fast paths compute the Bernoulli term only (their BCE epilogues);
 // other likelihoods take the general path.
 template <bool (*Applies)(const Launch&)>
@@ -74,11 +84,7 @@ VaeElboResult vae_elbo_cuda(const Tensor& x, const Tensor& eps, const Tensor& w_
   VaeElboCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
                 b_dec2, /*allow_bfloat16=*/true);
   c.likelihood = check_vae_likelihood(likelihood);
-  FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
-  FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
-                  "vae_elbo: sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",
-                  "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
-                  ", L=", c.L);
+  check_cuda_call(c, "vae_elbo");
   if (c.B == 0) return c.result();
   if (bf16) {
     // bfloat16 reaches the table only for tiled_bf16: chosen (no path
@@ -137,11 +143,7 @@ VaeElboTrainResult vae_elbo_train_cuda(const Tensor& x, const Tensor& eps, const
   VaeElboTrainCall c(x, eps, w_enc, b_enc, w_mu, b_mu, w_logvar, b_logvar, w_dec1, b_dec1, w_dec2,
                      b_dec2);
   c.likelihood = check_vae_likelihood(likelihood);
-  FUSED_OPS_CHECK(x.is_cuda(), "x must be a CUDA tensor, got ", device_str(x));
-  FUSED_OPS_CHECK(c.B <= INT_MAX && c.I * c.H <= INT_MAX && c.H * c.L <= INT_MAX,
-                  "vae_elbo_train: sizes too large for the CUDA kernels (B <= 2^31 - 1 and weight ",
-                  "matrices below 2^31 elements), got B=", c.B, ", I=", c.I, ", H=", c.H,
-                  ", L=", c.L);
+  check_cuda_call(c, "vae_elbo_train");
   if (c.B == 0) return c.result();
   dispatch_float(x.scalar_type(), [&](auto zero) {
     if constexpr (std::is_same_v<decltype(zero), float>) {
