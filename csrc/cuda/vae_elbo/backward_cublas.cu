@@ -27,6 +27,8 @@ namespace fused_ops {
 namespace vae_elbo_backward_kernels {
 namespace {
 
+using vae_elbo_chain::up4;
+
 constexpr int kThreads = 256;
 
 unsigned grid_for(int64_t n) {
@@ -122,8 +124,6 @@ void column_sums(const ColSumJobs<T>& jobs, int64_t max_n, T* workspace, cudaStr
       jobs, part, max_n, splits);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 }
-
-constexpr int64_t up4(int64_t n) { return (n + 3) / 4 * 4; }
 
 // saved: vae_elbo_train's activations (VaeSavedLayout, logits with their
 // bias), read instead of recomputing the forward; nullptr: recompute.  An

@@ -28,7 +28,7 @@ void launch_cublas(const Launch& l) {
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
   dispatch_float(c.x.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    const int64_t n_w = (2 * c.L * c.H + 3) / 4 * 4;  // the stacked biases 16-byte aligned
+    const int64_t n_w = vae_elbo_chain::up4(2 * c.L * c.H);  // the stacked biases aligned
     const int64_t n_acts = l.train ? 0 : VaeSavedLayout(c.B, c.I, c.H, c.L).total;
     const Tensor work = empty_like_device(c.x, {n_w + 2 * c.L + n_acts});
     T* w_mulv = mdata<T>(work);

@@ -30,6 +30,10 @@ using vae_elbo_backward_kernels::AddBias;
 using vae_elbo_backward_kernels::AddBiasRelu;
 using vae_elbo_backward_kernels::Reparameterize;
 
+// Workspace pieces start on multiples of 4 elements (16-byte aligned float
+// pieces, for the float4 and double views some kernels take of them).
+constexpr int64_t up4(int64_t n) { return (n + 3) / 4 * 4; }
+
 // The backward's latent stage in one launch: ml [B, 2L] holds h @
 // [w_mu; w_logvar]^T; adds both biases in place, then z.
 template <typename T>

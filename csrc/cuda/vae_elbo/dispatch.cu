@@ -149,7 +149,6 @@ VaeElboTrainResult vae_elbo_train_cuda(const Tensor& x, const Tensor& eps, const
     if constexpr (std::is_same_v<decltype(zero), float>) {
       Launch l{c, true, vae_elbo_kernels::make_args<float>(c)};
       l.train = &c;
-      l.saved = vae_elbo_kernels::make_saved<float>(c);
       kTrainPaths.run(l);
     } else {
       Launch l{c, false, {}};

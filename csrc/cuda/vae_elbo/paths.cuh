@@ -53,20 +53,6 @@ inline Args<T> make_args(const VaeElboCall& c) {
                  mdata<T>(c.elbo),   mdata<T>(c.recon),    mdata<T>(c.kl)};
 }
 
-// Where vae_elbo_train's activations go (VaeSavedLayout's sections of its
-// `saved` output); all null for vae_elbo.
-template <typename T>
-struct Saved {
-  T *h = nullptr, *ml = nullptr, *z = nullptr, *g = nullptr, *logits = nullptr;
-};
-
-template <typename T>
-inline Saved<T> make_saved(const VaeElboTrainCall& c) {
-  const VaeSavedLayout lay(c.B, c.I, c.H, c.L);
-  T* s = mdata<T>(c.saved);
-  return Saved<T>{s + lay.h, s + lay.ml, s + lay.z, s + lay.g, s + lay.logits};
-}
-
 // Which cluster kernel runs a call, in clusters of how many CTAs (0: the
 // cluster path does not apply), with how much shared memory (cluster.cu).
 struct ClusterPlan {
@@ -91,13 +77,11 @@ struct Launch {
   // table on float32 copies.
   bool bf16 = false;
   Args<__nv_bfloat16> ab{};
-  // vae_elbo_train: its call (saved allocated) and, for float32, the
-  // sections the wgmma kernel stores the activations in; null for vae_elbo.
+  // vae_elbo_train: its call (its `saved` output allocated); null for vae_elbo.
   const VaeElboTrainCall* train = nullptr;
-  Saved<float> saved{};
 };
 
-// wgmma.cu (sm_90a build only; false otherwise).  With l.saved set (the
+// wgmma.cu (sm_90a build only; false otherwise).  With l.train set (the
 // train table) the kernel also stores the activations.
 bool wgmma_applies(const Launch& l);
 void launch_wgmma(const Launch& l);

@@ -117,6 +117,19 @@ static_assert(kBars % 2 == 0, "mbarriers are 8-byte aligned");
 constexpr int kPacks = 5;
 static_assert(kPacks <= cuda::wgs::kMaxPacks, "one packer launch");
 
+// Where vae_elbo_train's activations go: the sections of its `saved` output
+// (VaeSavedLayout); all null for vae_elbo.
+struct Saved {
+  float *h = nullptr, *ml = nullptr, *z = nullptr, *g = nullptr, *logits = nullptr;
+};
+
+inline Saved saved_sections(const VaeElboTrainCall* train) {
+  if (!train) return {};
+  const VaeSavedLayout lay(train->B, train->I, train->H, train->L);
+  float* s = mdata<float>(train->saved);
+  return Saved{s + lay.h, s + lay.ml, s + lay.z, s + lay.g, s + lay.logits};
+}
+
 struct WgWeights {
   const float *enc, *mulv, *d1, *d2, *d2_tail;
   int enc_chunks, full_passes, tail_passes;
@@ -127,7 +140,7 @@ struct WgWeights {
 // losses are the same (the stores change no arithmetic).
 template <bool kSave>
 __global__ void __launch_bounds__(kThreadsWg, 1)
-    vae_elbo_wgmma_kernel(const Args<float> a, const WgWeights w, const Saved<float> s) {
+    vae_elbo_wgmma_kernel(const Args<float> a, const WgWeights w, const Saved s) {
 #if defined(FUSED_OPS_WGMMA)
   using cuda::wgs::add_chunks;
   using cuda::wgs::ChunkStream;
@@ -417,7 +430,8 @@ void launch_wgmma(const Launch& l) {
 #if defined(FUSED_OPS_SM90A)
   const Args<float>& a = l.a;
   const Tensor& like = l.c.x;  // the workspace's device
-  const bool save = l.saved.h != nullptr;
+  const wg::Saved saved = wg::saved_sections(l.train);
+  const bool save = saved.h != nullptr;
   const auto kernel = save ? wg::vae_elbo_wgmma_kernel<true> : wg::vae_elbo_wgmma_kernel<false>;
   cuda::allow_dynamic_smem(kernel, wg::kSmemBytes);
   const cudaStream_t stream = cuda::current_stream(cuda::current_device());
@@ -446,7 +460,7 @@ void launch_wgmma(const Launch& l) {
   const wg::WgWeights w{packs[0].out, packs[1].out, packs[2].out, packs[3].out, packs[4].out,
                         enc_chunks, full, tail};
   const int64_t tiles = (int64_t(a.B) + wg::kRowsWg - 1) / wg::kRowsWg;
-  kernel<<<unsigned(tiles), wg::kThreadsWg, wg::kSmemBytes, stream>>>(a, w, l.saved);
+  kernel<<<unsigned(tiles), wg::kThreadsWg, wg::kSmemBytes, stream>>>(a, w, saved);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
 #else
   (void)l;
