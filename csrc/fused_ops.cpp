@@ -215,4 +215,7 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
       "Tensor mix_mus, Tensor mix_stds, Tensor q_weights, Tensor q_mus, Tensor q_stds) -> (Tensor grad_samples, "
       "Tensor grad_mix_weights, Tensor grad_mix_mus, Tensor grad_mix_stds, Tensor grad_q_weights, "
       "Tensor grad_q_mus, Tensor grad_q_stds)");
+  // Test hook: the matrix products the kernels run on raw buffers
+  // (common/matmul.h; on CUDA float32 the "matmul" path table), a [m, k] @ b [k, n].
+  m.def("_matmul(Tensor a, Tensor b) -> Tensor");
 }

@@ -5,8 +5,8 @@ workload compute-sanitizer runs.
     python tools/sanitize_run.py --list        # the cases, and the paths of this build
 
 Ops: importance_sampling, flow_euler, vae_elbo, snis, ode_mlp, vae_mlp_elbo, importance_log_weights and
-their ``_backward`` ops, resample (all by default; ``flow``, ``vae``, ``ode``, ``vae_mlp`` and ``ilw``
-name both directions of those ops).
+their ``_backward`` ops, resample, and matmul, the products under the kernels (all by default; ``flow``,
+``vae``, ``ode``, ``vae_mlp`` and ``ilw`` name both directions of those ops).
 
 For each op the kernel-path table of this build (``fused_ops._paths``) gives
 the paths.  Each case below names the path(s) it is meant for; a case is run
@@ -568,6 +568,29 @@ ILW_BACKWARD_CASES = [  # one path ("tiled")
     case(NATURAL, 1, 1, 1, 1, 1, F32, note="smallest"),
 ]
 
+def _mm_operand(rows, cols, transposed):
+    """A [rows, cols] float32 matrix, row-major or the transposed view of a [cols, rows] one."""
+    if transposed:
+        return torch.randn(cols, rows, device="cuda").t()
+    return torch.randn(rows, cols, device="cuda")
+
+
+def run_matmul(m, n, k, ta, tb):
+    """The products under the kernels (``torch.ops.fused_ops._matmul``) against a float64 product."""
+    a, b = _mm_operand(m, k, ta), _mm_operand(k, n, tb)
+    got = torch.ops.fused_ops._matmul(a, b)
+    return close([got.double()], [a.double() @ b.double()], atol=1e-5 * k**0.5, rtol=0)
+
+
+MATMUL_CASES = [  # sizes: (m, n, k, a transposed, b transposed); float32 only (the table's dtype)
+    case("tf32x3", 130, 200, 72, False, False, note="ragged tiles, row-major"),
+    case("tf32x3", 130, 200, 72, True, False, note="a as a transposed view"),
+    case("tf32x3", 130, 200, 72, False, True, note="b as a transposed view"),
+    case("tf32x3", 130, 200, 72, True, True, note="both transposed"),
+    case("tf32x3", 70, 132, 2048, True, False, note="split-K: 2 tiles over 16 slices, the weight-gradient layout"),
+    case("cublas", 5, 7, 3, False, False, note="below the tensor-core sizes"),
+]
+
 # op -> (runner, cases); the runner's forced path is the op's own table's.
 OPS = {
     "importance_sampling": (run_is, IS_CASES),
@@ -587,6 +610,7 @@ OPS = {
     "vae_mlp_elbo_backward": (run_vae_mlp_backward, VAE_MLP_BACKWARD_CASES),
     "importance_log_weights": (run_ilw, ILW_CASES),
     "importance_log_weights_backward": (run_ilw_backward, ILW_BACKWARD_CASES),
+    "matmul": (run_matmul, MATMUL_CASES),
 }
 ALIASES = {"flow": ["flow_euler", "flow_euler_backward"],
            "vae": ["vae_elbo", "vae_elbo_backward", "vae_elbo_train", "vae_elbo_train_backward"],

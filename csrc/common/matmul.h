@@ -8,6 +8,10 @@
 // ATen runs a CPU product on the calling thread (it does not nest
 // parallelism), so per-block products over disjoint rows are race-free and
 // their results do not depend on the number of threads.
+//
+// CUDA float32 products go through the "matmul" kernel-path table
+// (cuda/matmul/dispatch.cu): large ones run on the tensor cores at float32
+// accuracy (the tf32x3 path), the others on cuBLAS as above.
 #pragma once
 
 #include <torch/csrc/stable/ops.h>
@@ -30,6 +34,49 @@ Tensor matrix_view(const T* data, int64_t rows, int64_t cols, int64_t row_stride
 
 inline torch::stable::Device cpu_device() {
   return torch::stable::Device(torch::headeronly::DeviceType::CPU);
+}
+
+#if defined(FUSED_OPS_WITH_CUDA)
+namespace cuda_matmul {
+// A float32 product on CUDA: out[m, n] (row stride ldo) = a @ b, a [m, k]
+// with strides (a_rs, a_cs), b [k, n] with strides (b_rs, b_cs).
+struct Call {
+  const float* a;
+  int64_t a_rs, a_cs;
+  const float* b;
+  int64_t b_rs, b_cs;
+  float* out;
+  int64_t ldo, m, n, k;
+  int device;
+};
+void run(const Call& c);  // cuda/matmul/dispatch.cu
+}  // namespace cuda_matmul
+#endif
+
+// Whether a product of T on `device` goes through the CUDA matmul table.
+template <typename T>
+bool on_cuda_table(const torch::stable::Device& device) {
+#if defined(FUSED_OPS_WITH_CUDA)
+  return std::is_same_v<T, float> && device.is_cuda();
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+// out = a @ b through the CUDA table (on_cuda_table<T> holds).
+template <typename T>
+void cuda_table_matmul(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t b_rs, int64_t b_cs, T* out,
+                       int64_t ldo, int64_t m, int64_t n, int64_t k, const torch::stable::Device& device) {
+#if defined(FUSED_OPS_WITH_CUDA)
+  if constexpr (std::is_same_v<T, float>) {
+    cuda_matmul::run({a, a_rs, a_cs, b, b_rs, b_cs, out, ldo, m, n, k, int(device.index())});
+    return;
+  }
+#endif
+  (void)a, (void)a_rs, (void)a_cs, (void)b, (void)b_rs, (void)b_cs, (void)out, (void)ldo, (void)m, (void)n,
+      (void)k, (void)device;
+  FUSED_OPS_CHECK(false, "fused_ops: no CUDA matmul table for this dtype or build");
 }
 
 // out = a @ b for any 2-D views (their strides may express transposes).
@@ -59,17 +106,42 @@ class LinearNT {
            int64_t n, int64_t k, const torch::stable::Device& device = cpu_device())
       : a_(matrix_view(a, m, k, lda, 1, device)),
         wt_(matrix_view(w, k, n, 1, ldw, device)),  // w^T as a strided view, read in place
-        out_(matrix_view(out, m, n, ldo, 1, device)) {}
+        out_(matrix_view(out, m, n, ldo, 1, device)),
+        cuda_(on_cuda_table<T>(device)),
+        raw_{a, lda, w, ldw, out, ldo, m, n, k},
+        device_(device) {}
 
-  void run() const { mm_out(a_, wt_, out_); }
+  void run() const {
+    if (cuda_) {
+      cuda_table_matmul(raw_.a, raw_.lda, 1, raw_.w, 1, raw_.ldw, raw_.out, raw_.ldo, raw_.m, raw_.n, raw_.k,
+                        device_);
+    } else {
+      mm_out(a_, wt_, out_);
+    }
+  }
 
  private:
+  struct Raw {
+    const T* a;
+    int64_t lda;
+    const T* w;
+    int64_t ldw;
+    T* out;
+    int64_t ldo, m, n, k;
+  };
   Tensor a_, wt_, out_;
+  bool cuda_;
+  Raw raw_;
+  torch::stable::Device device_;
 };
 
 template <typename T>
 void linear_nt(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t ldo, int64_t m,
                int64_t n, int64_t k, const torch::stable::Device& device = cpu_device()) {
+  if (on_cuda_table<T>(device)) {
+    cuda_table_matmul(a, lda, int64_t(1), w, int64_t(1), ldw, out, ldo, m, n, k, device);
+    return;
+  }
   LinearNT<T>(a, lda, w, ldw, out, ldo, m, n, k, device).run();
 }
 
@@ -80,9 +152,12 @@ template <typename T>
 void matmul(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t b_rs, int64_t b_cs,
             T* out, int64_t ldo, int64_t m, int64_t n, int64_t k,
             const torch::stable::Device& device = cpu_device()) {
-  mm_out(matrix_view(a, m, k, a_rs, a_cs, device),
-                      matrix_view(b, k, n, b_rs, b_cs, device),
-                      matrix_view(out, m, n, ldo, 1, device));
+  if (on_cuda_table<T>(device)) {
+    cuda_table_matmul(a, a_rs, a_cs, b, b_rs, b_cs, out, ldo, m, n, k, device);
+    return;
+  }
+  mm_out(matrix_view(a, m, k, a_rs, a_cs, device), matrix_view(b, k, n, b_rs, b_cs, device),
+         matrix_view(out, m, n, ldo, 1, device));
 }
 
 }  // namespace fused_ops

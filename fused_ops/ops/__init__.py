@@ -20,6 +20,7 @@ from ._vae_mlp import vae_mlp_elbo
 from ._snis import snis, snis_backward
 from ._ode import ode_mlp, ode_mlp_backward, odeint_fixed, odeint_mlp
 from ._dtypes import register_autocast_rules as _register_autocast_rules
+from . import _matmul  # noqa: F401  (the private test op's fake)
 
 _register_autocast_rules()  # float32 under torch.autocast, every forward op, CPU and CUDA (_dtypes.py)
 
