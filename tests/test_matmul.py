@@ -76,7 +76,7 @@ def _errors(m, n, k, ta, tb, seed=0):
 @requires_cuda
 @pytest.mark.parametrize("ta,tb", LAYOUTS, ids=["nn", "tn", "nt", "tt"])
 @pytest.mark.parametrize("m,n,k", TF32X3_SIZES, ids=[f"{m}x{n}x{k}" for m, n, k in TF32X3_SIZES])
-def test_tf32x3_is_float32_accurate(m, n, k, ta, tb):
+def test_cuda_tf32x3_is_float32_accurate(m, n, k, ta, tb):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tf32x3 path needs compute capability 9.0")
     got, err, err_cublas, (a, b) = _errors(m, n, k, ta, tb)
@@ -89,7 +89,7 @@ def test_tf32x3_is_float32_accurate(m, n, k, ta, tb):
 
 
 @requires_cuda
-def test_tf32x3_propagates_nan_and_inf():
+def test_cuda_tf32x3_propagates_nan_and_inf():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tf32x3 path needs compute capability 9.0")
     a, b = torch.randn(256, 64, device="cuda"), torch.randn(64, 192, device="cuda")
@@ -109,7 +109,7 @@ def test_tf32x3_propagates_nan_and_inf():
     [(8192, 256, 784, "tf32x3"), (784, 256, 8192, "tf32x3"), (64, 64, 4096, "tf32x3"), (8192, 32, 256, "cublas"),
      (100, 100, 100, "cublas"), (8192, 256, 783, "cublas")],
 )
-def test_natural_choice(m, n, k, path):
+def test_cuda_natural_choice(m, n, k, path):
     # (8192, 32, ...): an edge below 64; (100, 100, 100): below 2^24
     # multiply-adds; k = 783: a row-major a's rows are not float4-aligned.
     want = "tf32x3" if path == "tf32x3" and torch.cuda.get_device_capability() == (9, 0) else "cublas"
@@ -121,7 +121,7 @@ def test_natural_choice(m, n, k, path):
 
 
 @requires_cuda
-def test_forced_tf32x3_refuses_unaligned_operands():
+def test_cuda_forced_tf32x3_refuses_unaligned_operands():
     a, b = torch.randn(64, 30, device="cuda"), torch.randn(30, 64, device="cuda")
     with _paths.force("matmul", "tf32x3"), pytest.raises(RuntimeError, match="forced kernel path 'tf32x3'"):
         OP(a, b)
@@ -130,7 +130,7 @@ def test_forced_tf32x3_refuses_unaligned_operands():
 
 
 @requires_cuda
-def test_tf32x3_under_cuda_graph_capture():
+def test_cuda_tf32x3_under_cuda_graph_capture():
     # The split-K workspace comes from the graph's pool; replays recompute.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tf32x3 path needs compute capability 9.0")
