@@ -6,7 +6,12 @@
 // a float32 product on the CUDA cores (SIMT sgemm, at most 128 FMA per clock
 // per SM).  Three TF32 wgmma products per tile on operands split into TF32
 // big and small parts (tf32x3.cuh: the error stays of the order of float32
-// FMA's) give about 300 float32-accurate multiply-adds per clock per SM.
+// FMA's) have a tensor-core bound of about 300 float32-accurate
+// multiply-adds per clock per SM.  What bounds this kernel is shared memory:
+// per k-tile the two warpgroups read 144 KB of operand planes for their 12
+// wgmma (each plane three times over) and store 64 KB of split planes,
+// about 1,600 cycles at 128 bytes per clock against 1,536 of tensor-core
+// work, so it runs at a fraction of that bound (docs/matmul.md).
 //
 // Tile: a CTA of two warpgroups computes a 128 x 128 block of out
 // (warpgroup w rows 64 w .. 64 w + 63, wgmma m64n128k8) and steps k by 32.
@@ -155,7 +160,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nk = (K + kKTile - 1) / kKTile;
   const int kt0 = blockIdx.z * kt_per, kt1 = min(nk, kt0 + kt_per);
 
-  float acc[64];
+  // Two-level accumulation: the tensor core adds into its float32
+  // accumulator without rounding to nearest (it truncates the aligned sum),
+  // an error that grows with the number of k-steps summed into one
+  // accumulator and leans one way.  Each k-tile's 12 products go into a
+  // fresh `part` (the first with scale-d 0, so nothing zeroes it), which is
+  // then added to `acc` by round-to-nearest FADDs.
+  float acc[64], part[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
@@ -180,8 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int ks = 0; ks < kKTile / 8; ++ks) {
       const float* ap = cur + ks * kTile * 8 + cuda::core_offset(64 * wg, 0);
       const float* bp = cur + 2 * kPlane + ks * kTile * 8;
-      cuda::wgmma_3xtf32<kTile>(acc, cuda::wgmma_desc(ap), cuda::wgmma_desc(ap + kPlane),
-                                cuda::wgmma_desc(bp), cuda::wgmma_desc(bp + kPlane));
+      cuda::wgmma_3xtf32<kTile>(part, cuda::wgmma_desc(ap), cuda::wgmma_desc(ap + kPlane),
+                                cuda::wgmma_desc(bp), cuda::wgmma_desc(bp + kPlane), ks > 0);
     }
     cuda::wgmma_commit();
     if (more) {  // the other stage: its products finished before the last barrier
@@ -189,6 +200,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_tile<LB>(vb, nxt + 2 * kPlane, nxt + 3 * kPlane);
     }
     cuda::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] += part[i];
     cuda::fence_proxy_async();
     __syncthreads();
   }
