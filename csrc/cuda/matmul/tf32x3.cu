@@ -18,7 +18,8 @@
 // The operands pass through registers: each thread loads 16 floats of A's
 // and 16 of B's [128 x 32] tile with float4 loads along whichever axis is
 // contiguous in memory, splits them and stores both planes in the
-// core-matrix layout of wgmma.cuh.  Two stages: the loads and stores of
+// core-matrix layout of wgmma.cuh.  Two shared-memory stages and two
+// register sets: the loads of k-tile t + 2 and the split and stores of
 // k-tile t + 1 overlap the products of k-tile t.  Lane maps (load_tile):
 // a quarter-warp's 16-byte stores fall in distinct bank groups, and a
 // warp's loads use whole 32-byte sectors.
@@ -170,40 +171,52 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.f;
 
-  float4 va[4], vb[4];
-  load_tile<LA>(a, m0, kt0 * kKTile, K, va);
-  load_tile<LB>(b, n0, kt0 * kKTile, K, vb);
-  store_tile<LA>(va, smem, smem + kPlane);
-  store_tile<LB>(vb, smem + 2 * kPlane, smem + 3 * kPlane);
+  // Register sets of raw tiles: while stage s computes k-tile t, set s
+  // receives k-tile t + 2 and set s ^ 1 (k-tile t + 1, loaded one step
+  // earlier) is split into the other stage -- a whole step of products
+  // hides each load's latency.
+  float4 va[2][4], vb[2][4];
+  load_tile<LA>(a, m0, kt0 * kKTile, K, va[0]);
+  load_tile<LB>(b, n0, kt0 * kKTile, K, vb[0]);
+  if (kt0 + 1 < kt1) {
+    load_tile<LA>(a, m0, (kt0 + 1) * kKTile, K, va[1]);
+    load_tile<LB>(b, n0, (kt0 + 1) * kKTile, K, vb[1]);
+  }
+  store_tile<LA>(va[0], smem, smem + kPlane);
+  store_tile<LB>(vb[0], smem + 2 * kPlane, smem + 3 * kPlane);
   cuda::fence_proxy_async();
   __syncthreads();
 
-  for (int kt = kt0; kt < kt1; ++kt) {
-    float* const cur = smem + ((kt - kt0) & 1) * kStage;
-    float* const nxt = smem + (((kt - kt0) & 1) ^ 1) * kStage;
-    const bool more = kt + 1 < kt1;  // uniform over the CTA
-    if (more) {                      // in flight during the products
-      load_tile<LA>(a, m0, (kt + 1) * kKTile, K, va);
-      load_tile<LB>(b, n0, (kt + 1) * kKTile, K, vb);
-    }
-    cuda::wgmma_fence();
+  for (int kt2 = kt0; kt2 < kt1; kt2 += 2) {
 #pragma unroll
-    for (int ks = 0; ks < kKTile / 8; ++ks) {
-      const float* ap = cur + ks * kTile * 8 + cuda::core_offset(64 * wg, 0);
-      const float* bp = cur + 2 * kPlane + ks * kTile * 8;
-      cuda::wgmma_3xtf32<kTile>(part, cuda::wgmma_desc(ap), cuda::wgmma_desc(ap + kPlane),
-                                cuda::wgmma_desc(bp), cuda::wgmma_desc(bp + kPlane), ks > 0);
-    }
-    cuda::wgmma_commit();
-    if (more) {  // the other stage: its products finished before the last barrier
-      store_tile<LA>(va, nxt, nxt + kPlane);
-      store_tile<LB>(vb, nxt + 2 * kPlane, nxt + 3 * kPlane);
-    }
-    cuda::wgmma_wait<0>();
+    for (int s = 0; s < 2; ++s) {  // s: the stage (and register set) of k-tile kt
+      const int kt = kt2 + s;
+      if (kt >= kt1) break;  // uniform over the CTA
+      float* const cur = smem + s * kStage;
+      float* const nxt = smem + (s ^ 1) * kStage;
+      cuda::wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] += part[i];
-    cuda::fence_proxy_async();
-    __syncthreads();
+      for (int ks = 0; ks < kKTile / 8; ++ks) {
+        const float* ap = cur + ks * kTile * 8 + cuda::core_offset(64 * wg, 0);
+        const float* bp = cur + 2 * kPlane + ks * kTile * 8;
+        cuda::wgmma_3xtf32<kTile>(part, cuda::wgmma_desc(ap), cuda::wgmma_desc(ap + kPlane),
+                                  cuda::wgmma_desc(bp), cuda::wgmma_desc(bp + kPlane), ks > 0);
+      }
+      cuda::wgmma_commit();
+      if (kt + 2 < kt1) {  // set s was stored to this stage one step ago
+        load_tile<LA>(a, m0, (kt + 2) * kKTile, K, va[s]);
+        load_tile<LB>(b, n0, (kt + 2) * kKTile, K, vb[s]);
+      }
+      if (kt + 1 < kt1) {  // the other stage: its products finished before the last barrier
+        store_tile<LA>(va[s ^ 1], nxt, nxt + kPlane);
+        store_tile<LB>(vb[s ^ 1], nxt + 2 * kPlane, nxt + 3 * kPlane);
+      }
+      cuda::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] += part[i];
+      cuda::fence_proxy_async();
+      __syncthreads();
+    }
   }
 
   // Accumulator (wgmma.cuh): d[4 j + i] is row 16 warp + lane / 4 + 8 (i >= 2),
