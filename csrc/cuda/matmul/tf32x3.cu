@@ -7,11 +7,11 @@
 // per SM).  Three TF32 wgmma products per tile on operands split into TF32
 // big and small parts (tf32x3.cuh: the error stays of the order of float32
 // FMA's) have a tensor-core bound of about 300 float32-accurate
-// multiply-adds per clock per SM.  What bounds this kernel is shared memory:
-// per k-tile the two warpgroups read 144 KB of operand planes for their 12
-// wgmma (each plane three times over) and store 64 KB of split planes,
-// about 1,600 cycles at 128 bytes per clock against 1,536 of tensor-core
-// work, so it runs at a fraction of that bound (docs/matmul.md).
+// multiply-adds per clock per SM.  Measured (bench/results/
+// nvidia-h200-matmul-sweep.md) it is 1.1-1.5x cuBLAS's float32 products;
+// under ncu the tensor pipes are busy about 37% of the time and shared
+// memory up to 74%: every k-tile ends in a wgmma wait and a CTA barrier,
+// and each operand plane is read three times (docs/matmul.md).
 //
 // Tile: a CTA of two warpgroups computes a 128 x 128 block of out
 // (warpgroup w rows 64 w .. 64 w + 63, wgmma m64n128k8) and steps k by 32.
