@@ -8,7 +8,7 @@
 // big and small parts (tf32x3.cuh: the error stays of the order of float32
 // FMA's) have a tensor-core bound of about 300 float32-accurate
 // multiply-adds per clock per SM.  Measured (bench/results/
-// nvidia-h200-matmul-sweep.md) it is 1.1-1.5x cuBLAS's float32 products;
+// nvidia-h200-matmul-sweep.md) it is 1.04-1.67x cuBLAS's float32 products;
 // under ncu the tensor pipes are busy about 37% of the time and shared
 // memory up to 74%: every k-tile ends in a wgmma wait and a CTA barrier,
 // and each operand plane is read three times (docs/matmul.md).
