@@ -218,4 +218,9 @@ STABLE_TORCH_LIBRARY(fused_ops, m) {
   // Test hook: the matrix products the kernels run on raw buffers
   // (common/matmul.h; on CUDA float32 the "matmul" path table), a [m, k] @ b [k, n].
   m.def("_matmul(Tensor a, Tensor b) -> Tensor");
+  // Test hook (CUDA float32): a hidden layer a @ w^T + bias (+ row_bias) and
+  // act of it, the product's epilogue on the same table.
+  m.def(
+      "_linear_act(Tensor a, Tensor w, Tensor? bias, Tensor? row_bias, int act, float act_param, "
+      "bool in_place) -> Tensor[]");
 }

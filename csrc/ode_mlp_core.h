@@ -1,8 +1,9 @@
 // \brief The step sequence of fused_ops::ode_mlp, written once for every
 // device: the MLP evaluation, one Runge-Kutta step, and the backward (the
 // discrete adjoint of all steps and stages).  Products go through
-// common/matmul.h on the tensors' device (torch's CPU BLAS, or cuBLAS on
-// torch's current CUDA stream); the elementwise work is the device's `Ops`
+// common/matmul.h on the tensors' device (torch's CPU BLAS, or the CUDA
+// matmul table on torch's current stream, which also takes a hidden
+// layer's bias_act as its epilogue); the elementwise work is the device's `Ops`
 // (cpu/ode_mlp/ops.h, cuda/ode_mlp/ops.cuh), each a fused pass:
 //
 //   stage_input(Y, y, K, n, t, k, method, i)   Y = y + dt_k sum_{j<i} a_ij K_j
@@ -57,10 +58,10 @@ void ode_mlp_eval(const OdeMlpPtrs<T>& p, const Ops& ops, const T* Y, int64_t r0
     const T* src = l ? acts.H[l - 1] : Y;
     const bool last = l == p.L - 1;
     T* dst = last ? out : acts.A[l];
-    linear_nt(src, in, p.w[l], in, dst, n, rows, n, in, dev);
     const T* cb = l ? p.b[l] : p.time_bias + e * n;
     const T* rb = (l == 0 && p.sample_bias) ? p.sample_bias + r0 * n : nullptr;
-    ops.bias_act(dst, last ? nullptr : acts.H[l], cb, rb, rows, n, p.act, p.act_param);
+    linear_nt_bias_act(ops, src, in, p.w[l], in, dst, rows, n, in, cb, rb, last ? nullptr : acts.H[l], p.act,
+                       p.act_param, dev);
   }
 }
 

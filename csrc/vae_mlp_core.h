@@ -1,8 +1,9 @@
 // \brief The sequence of fused_ops::vae_mlp_elbo (csrc/vae_mlp.h for the
 // math), written once for every device: the forward over a block of rows and
 // the backward over the whole batch.  Products go through common/matmul.h on
-// the tensors' device (torch's CPU BLAS, or cuBLAS on torch's current CUDA
-// stream); the elementwise work is the device's `Ops` (cpu/vae_mlp/ops.h,
+// the tensors' device (torch's CPU BLAS, or the CUDA matmul table on torch's
+// current stream, which also takes a hidden layer's bias_act as its
+// epilogue); the elementwise work is the device's `Ops` (cpu/vae_mlp/ops.h,
 // cuda/vae_mlp/ops.cuh), each one fused pass:
 //
 //   bias_act(A, H, b, nullptr, rows, cols, act, p)  A += b; H = act(A) (H == A: in place)
@@ -80,8 +81,8 @@ void vae_mlp_forward_rows(const VaeMlpPtrs<T>& p, const Ops& ops, int64_t r0, in
   const T* in = p.x + r0 * p.I;
   for (int64_t l = 0; l < p.Le; ++l) {
     const int64_t k = p.enc_in(l), n = p.ewidth[l];
-    linear_nt(in, k, p.ew[l], k, a.A_enc[l], n, rows, n, k, dev);
-    ops.bias_act(a.A_enc[l], a.H_enc[l], p.eb[l], nullptr, rows, n, p.act, p.act_param);
+    linear_nt_bias_act(ops, in, k, p.ew[l], k, a.A_enc[l], rows, n, k, p.eb[l], static_cast<const T*>(nullptr),
+                       a.H_enc[l], p.act, p.act_param, dev);
     in = a.H_enc[l];
   }
   const int64_t H = p.H(), L = p.L;
@@ -90,11 +91,12 @@ void vae_mlp_forward_rows(const VaeMlpPtrs<T>& p, const Ops& ops, int64_t r0, in
   in = a.Z;
   for (int64_t l = 0; l < p.Ld; ++l) {
     const int64_t k = p.dec_in(l), n = p.dwidth[l];
-    linear_nt(in, k, p.dw[l], k, a.A_dec[l], n, rows, n, k, dev);
     if (l + 1 < p.Ld) {
-      ops.bias_act(a.A_dec[l], a.H_dec[l], p.db[l], nullptr, rows, n, p.act, p.act_param);
+      linear_nt_bias_act(ops, in, k, p.dw[l], k, a.A_dec[l], rows, n, k, p.db[l], static_cast<const T*>(nullptr),
+                         a.H_dec[l], p.act, p.act_param, dev);
       in = a.H_dec[l];
     } else {
+      linear_nt(in, k, p.dw[l], k, a.A_dec[l], n, rows, n, k, dev);
       ops.recon(a.A_dec[l], p.db[l], p.x + r0 * p.I, p.dec_logvar, kl, recon, elbo, rows, p.I,
                 p.likelihood);
     }

@@ -146,3 +146,62 @@ def test_cuda_tf32x3_under_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, OP(a, b), rtol=0, atol=0)
+
+
+# The hidden-layer epilogue (bias, per-row bias, activation) through the private
+# op torch.ops.fused_ops._linear_act: (m, n, k) one tile with tails, several
+# tiles, and a split-K product (one output tile over k = 4096: the partials'
+# add applies the epilogue).
+EPILOGUE_SIZES = [(132, 68, 100), (300, 260, 64), (128, 128, 4096)]
+EPILOGUE_ACTS = [("silu", None), ("relu", None), ("leaky_relu", 0.2), ("elu", 0.7), ("selu", None),
+                 ("gelu", None), ("gelu_tanh", None), ("softplus", 2.0), ("tanh", None), ("sigmoid", None)]
+
+
+def _act_reference(name, p):
+    """The op's (code, parameter) of an activation and its torch.nn.functional form."""
+    from fused_ops.ops import _ode
+
+    code, param = _ode._act(name, p)
+    return code, param, lambda t: _ode._TORCH_ACTS[name](t, param)
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", ["tf32x3", "cublas"])
+@pytest.mark.parametrize("act,p", EPILOGUE_ACTS, ids=[a for a, _ in EPILOGUE_ACTS])
+@pytest.mark.parametrize("m,n,k", EPILOGUE_SIZES, ids=[f"{m}x{n}x{k}" for m, n, k in EPILOGUE_SIZES])
+def test_cuda_linear_act_epilogue(m, n, k, act, p, path):
+    if path == "tf32x3" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tf32x3 path needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(m + n + k)
+    a64, w64 = torch.randn(m, k, generator=gen, dtype=torch.float64), torch.randn(n, k, generator=gen, dtype=torch.float64)
+    b64, rb64 = torch.randn(n, generator=gen, dtype=torch.float64), torch.randn(m, n, generator=gen, dtype=torch.float64)
+    a, w, b, rb = (t.float().cuda() for t in (a64, w64, b64, rb64))
+    code, param, ref = _act_reference(act, p)
+    scale = (a64.abs() @ w64.abs().t()).max().item()
+    with _paths.force("matmul", path):
+        out, h = torch.ops.fused_ops._linear_act(a, w, b, rb, code, param, False)
+        assert _paths.last("matmul") == path
+        plain, _ = torch.ops.fused_ops._linear_act(a, w, b, None, -1, 0.0, False)
+        inplace, empty = torch.ops.fused_ops._linear_act(a, w, b, rb, code, param, True)
+    assert not out.isnan().any() and not h.isnan().any(), "an element of the output was not written"
+    exact = a64 @ w64.t() + b64 + rb64
+    assert (out.double().cpu() - exact).abs().max().item() <= 4e-6 * scale
+    # The activation of the stored pre-activation, as torch computes it in float32.
+    torch.testing.assert_close(h, ref(out), rtol=2e-6, atol=1e-6)
+    assert torch.equal(inplace, h) and empty.numel() == 0
+    # Without the row bias and activation: the bias alone, the same sums.
+    torch.testing.assert_close(plain, out - rb, rtol=0, atol=4e-6 * scale)
+
+
+@requires_cuda
+def test_cuda_linear_act_bad_inputs():
+    a, w = torch.randn(8, 4, device="cuda"), torch.randn(6, 4, device="cuda")
+    op = torch.ops.fused_ops._linear_act
+    with pytest.raises(RuntimeError, match=r"bias.shape\[0\] must be 6"):
+        op(a, w, torch.randn(5, device="cuda"), None, 0, 0.0, False)
+    with pytest.raises(RuntimeError, match=r"row_bias.shape\[1\] must be 6"):
+        op(a, w, None, torch.randn(8, 5, device="cuda"), 0, 0.0, False)
+    with pytest.raises(RuntimeError, match="act must be an activation code"):
+        op(a, w, None, None, 10, 0.0, False)
+    with pytest.raises(RuntimeError, match="a must be a float32 CUDA tensor"):
+        op(a.double(), w.double(), None, None, 0, 0.0, False)

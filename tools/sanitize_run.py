@@ -575,11 +575,23 @@ def _mm_operand(rows, cols, transposed):
     return torch.randn(rows, cols, device="cuda")
 
 
-def run_matmul(m, n, k, ta, tb):
-    """The products under the kernels (``torch.ops.fused_ops._matmul``) against a float64 product."""
-    a, b = _mm_operand(m, k, ta), _mm_operand(k, n, tb)
-    got = torch.ops.fused_ops._matmul(a, b)
-    return close([got.double()], [a.double() @ b.double()], atol=1e-5 * k**0.5, rtol=0)
+def run_matmul(m, n, k, ta, tb, act=None):
+    """The products under the kernels (``torch.ops.fused_ops._matmul``) against a float64 product;
+    with ``act``, a hidden layer (``_linear_act``: a @ w^T, the bias, a row bias and the activation
+    in the product's epilogue)."""
+    if act is None:
+        a, b = _mm_operand(m, k, ta), _mm_operand(k, n, tb)
+        got = torch.ops.fused_ops._matmul(a, b)
+        return close([got.double()], [a.double() @ b.double()], atol=1e-5 * k**0.5, rtol=0)
+    from fused_ops.ops import _ode
+
+    code, p = _ode._act(act, None)
+    a, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    bias, row_bias = torch.randn(n, device="cuda"), torch.randn(m, n, device="cuda")
+    out, h = torch.ops.fused_ops._linear_act(a, w, bias, row_bias, code, p, False)
+    exact = a.double() @ w.double().t() + bias.double() + row_bias.double()
+    return close([out.double(), h.double()], [exact, _ode._TORCH_ACTS[act](out, p).double()],
+                 atol=1e-5 * k**0.5, rtol=1e-5)
 
 
 MATMUL_CASES = [  # sizes: (m, n, k, a transposed, b transposed); float32 only (the table's dtype).
@@ -590,6 +602,9 @@ MATMUL_CASES = [  # sizes: (m, n, k, a transposed, b transposed); float32 only (
     case("tf32x3", 132, 200, 72, True, True, note="both transposed"),
     case("tf32x3", 68, 132, 2048, True, False, note="split-K: 2 tiles over 16 slices, the weight-gradient layout"),
     case("cublas", 5, 7, 3, False, False, note="below the tensor-core sizes"),
+    case("tf32x3", 132, 200, 72, False, False, "gelu", note="epilogue: bias, row bias, GELU, ragged tiles"),
+    case("tf32x3", 128, 128, 4096, False, False, "silu", note="epilogue in the split-K add"),
+    case("cublas", 5, 7, 3, False, False, "elu", note="epilogue pass after a cuBLAS product"),
 ]
 
 # op -> (runner, cases); the runner's forced path is the op's own table's.

@@ -38,8 +38,23 @@ inline torch::stable::Device cpu_device() {
 
 #if defined(FUSED_OPS_WITH_CUDA)
 namespace cuda_matmul {
+// What a product does with its sums before they are stored (none when
+// `on` is false): v = sum + cb[c] (+ rb[r, c]), stored to out; h[r, c] =
+// act(v) (common/activations.h's codes; h == out: only act(v) is stored,
+// in place; h null: no activation).  rb and h have out's row stride.  The
+// same float operations in the same order as the ops' own bias_act passes.
+struct Epilogue {
+  bool on = false;
+  const float* cb = nullptr;
+  const float* rb = nullptr;
+  float* h = nullptr;
+  int64_t act = 0;
+  float act_param = 0.f;
+};
+
 // A float32 product on CUDA: out[m, n] (row stride ldo) = a @ b, a [m, k]
-// with strides (a_rs, a_cs), b [k, n] with strides (b_rs, b_cs).
+// with strides (a_rs, a_cs), b [k, n] with strides (b_rs, b_cs), then the
+// epilogue.
 struct Call {
   const float* a;
   int64_t a_rs, a_cs;
@@ -48,6 +63,7 @@ struct Call {
   float* out;
   int64_t ldo, m, n, k;
   int device;
+  Epilogue epilogue = {};
 };
 void run(const Call& c);  // cuda/matmul/dispatch.cu
 }  // namespace cuda_matmul
@@ -143,6 +159,29 @@ void linear_nt(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t
     return;
   }
   LinearNT<T>(a, lda, w, ldw, out, ldo, m, n, k, device).run();
+}
+
+// A hidden layer: out[m, n] = a[m, k] @ w[n, k]^T + cb (+ rb [m, n]), then
+// h = act(out) (h == out: in place; h null: none); out, rb and h
+// contiguous.  On CUDA in float32 the bias and activation are the product's
+// epilogue (one kernel on the matmul table's tf32x3 path); elsewhere the
+// product, then ops.bias_act (the op's own pass, the same arithmetic).
+template <typename T, typename Ops>
+void linear_nt_bias_act(const Ops& ops, const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t m,
+                        int64_t n, int64_t k, const T* cb, const T* rb, T* h, int64_t act, T act_param,
+                        const torch::stable::Device& device) {
+#if defined(FUSED_OPS_WITH_CUDA)
+  if constexpr (std::is_same_v<T, float>) {
+    if (device.is_cuda()) {
+      cuda_matmul::Call c{a, lda, 1, w, 1, ldw, out, n, m, n, k, int(device.index())};
+      c.epilogue = {true, cb, rb, h, act, act_param};
+      cuda_matmul::run(c);
+      return;
+    }
+  }
+#endif
+  linear_nt(a, lda, w, ldw, out, n, m, n, k, device);
+  ops.bias_act(out, h, cb, rb, m, n, act, act_param);
 }
 
 // out[m, n] = a @ b where a is [m, k] and b is [k, n], each given as a view

@@ -3,7 +3,9 @@
 //
 // The tf32x3 path (tf32x3.cu) is taken for products large enough that its
 // tensor-core tiles beat cuBLAS's float32 CUDA-core kernels; the rest go to
-// cuBLAS through aten::mm.out, on torch's current stream.
+// cuBLAS through aten::mm.out, on torch's current stream.  A call's epilogue
+// (a hidden layer's bias and activation) is the tf32x3 kernel's own, or one
+// pass after the cuBLAS product.
 
 #include "common/dispatch.h"
 #include "cuda/matmul/paths.cuh"
@@ -29,16 +31,20 @@ void launch_cublas(const Call& c) {
   const torch::stable::Device dev(torch::headeronly::DeviceType::CUDA, c.device);
   mm_out(matrix_view(c.a, c.m, c.k, c.a_rs, c.a_cs, dev), matrix_view(c.b, c.k, c.n, c.b_rs, c.b_cs, dev),
          matrix_view(c.out, c.m, c.n, c.ldo, 1, dev));
+  if (c.epilogue.on) launch_epilogue(c);
 }
 
 const dispatch::PathTable<Call, 2> kPaths("matmul", "cuda", {{
     {"tf32x3",
      "float32, m, n >= 64, m n k >= 2^24, each operand contiguous along one axis (strides and that "
      "axis's extent multiples of 4, 16-byte aligned), sm_90a build on a compute capability 9.0 GPU",
-     "3xTF32 warpgroup tensor-core products, float32-accurate: the large products of the ops' "
-     "cuBLAS paths, which cuBLAS runs on the CUDA cores at float32 precision",
+     "3xTF32 warpgroup tensor-core products, float32-accurate, with the bias and activation in the "
+     "kernel's epilogue: the large products of the ops' cuBLAS paths, which cuBLAS runs on the CUDA "
+     "cores at float32 precision",
      tf32x3_applies, launch_tf32x3},
-    {"cublas", "anything else", "cuBLAS through aten::mm.out: small, odd-strided and pre-Hopper products",
+    {"cublas", "anything else",
+     "cuBLAS through aten::mm.out (and one pass for a bias and activation): small, odd-strided and "
+     "pre-Hopper products",
      dispatch::always<Call>, launch_cublas},
 }});
 

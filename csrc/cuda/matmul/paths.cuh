@@ -1,6 +1,7 @@
 // \brief What the CUDA paths of fused_ops::matmul share: the call (one
-// float32 product, common/matmul.h's cuda_matmul::Call), the tf32x3 path's
-// predicate and launcher (tf32x3.cu), and its workspace.
+// float32 product and its epilogue, common/matmul.h's cuda_matmul::Call), the
+// tf32x3 path's predicate and launcher (tf32x3.cu), the epilogue pass after
+// a cuBLAS product (epilogue.cu), and the split-K workspace.
 //
 // The table (dispatch.cu) is the one through which every CUDA float32
 // product of every op's kernels goes (common/matmul.h's matmul, linear_nt
@@ -22,7 +23,10 @@ namespace cuda_matmul {
 // multiples of 4, 16-byte aligned), an sm_90a build on a compute
 // capability 9.0 GPU.
 bool tf32x3_can_run(const Call& c);
-void launch_tf32x3(const Call& c);
+void launch_tf32x3(const Call& c);  // the product and its epilogue
+
+// c's epilogue over c.out in place (epilogue.cu): after a cuBLAS product.
+void launch_epilogue(const Call& c);
 
 // A float32 workspace of n elements on CUDA device `device` (the split-K
 // partials), from torch's caching allocator on the current stream.

@@ -29,9 +29,14 @@
 // split over blockIdx.z; each split stores its partial product to a
 // workspace and a second kernel adds the partials in split order
 // (deterministic, no atomics).  Shared memory: 2 stages x 4 planes x 16 KB.
+//
+// Epilogue (common/matmul.h's Epilogue: a hidden layer's bias, row bias and
+// activation): the finished tile is staged in shared memory and each
+// element finished there (epilogue.cuh), or by the split-K add.
 
 #include <algorithm>
 
+#include "cuda/matmul/epilogue.cuh"
 #include "cuda/matmul/paths.cuh"
 #include "cuda/primitives/tf32x3.cuh"
 #include "cuda/primitives/wgmma.cuh"
@@ -147,13 +152,20 @@ __device__ __forceinline__ void store_tile(const float4 (&v)[4], float* big, flo
 
 #endif  // FUSED_OPS_WGMMA
 
+// Row stride of the output tile staged in shared memory for the epilogue:
+// 136 = 8 mod 32 words, so that each half-warp's 8-byte accumulator stores
+// (4 rows x 8 columns) fall in distinct banks.
+constexpr int kStageLd = kTile + 8;
+static_assert(kTile * kStageLd * sizeof(float) <= kSmemBytes, "the staged tile must fit the stages' memory");
+
 // out (or split z's partial in ws, [M, N] row-major) = A[M, K] B[K, N] over
-// k-tiles [z kt_per, (z + 1) kt_per).  Grid (ceil(N / 128), ceil(M / 128),
-// splits), kThreads threads, kSmemBytes of dynamic shared memory.
+// k-tiles [z kt_per, (z + 1) kt_per), then (no split) the epilogue e.
+// Grid (ceil(N / 128), ceil(M / 128), splits), kThreads threads, kSmemBytes
+// of dynamic shared memory.
 template <int LA, int LB>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_tf32x3_kernel(const Operand a, const Operand b, float* out, int64_t ldo, int K, int kt_per,
-                         float* ws) {
+                         float* ws, const Epilogue e) {
 #if defined(FUSED_OPS_WGMMA)
   extern __shared__ __align__(128) float smem[];
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32;
@@ -222,6 +234,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Accumulator (wgmma.cuh): d[4 j + i] is row 16 warp + lane / 4 + 8 (i >= 2),
   // column 8 j + 2 (lane % 4) + (i & 1) of the warpgroup's 64 x 128 block.
   const int M = a.rows, N = b.rows;
+  if (e.on && !ws) {
+    // The epilogue's bias loads and activation (a switch on e.act) run in a
+    // rolled loop over the tile staged in shared memory (free: every
+    // thread passed the last k-tile's barrier), a warp on 32 consecutive
+    // columns of a row: coalesced, and one copy of the activation code.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 64 * wg + 16 * warp + lane / 4 + 8 * h;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<float2*>(smem + r * kStageLd + 8 * j + 2 * (lane % 4)) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int i = tid; i < kTile * kTile; i += kThreads) {
+      const int r = m0 + i / kTile, c = n0 + i % kTile;
+      if (r < M && c < N) finish(e, smem[(i / kTile) * kStageLd + i % kTile], int64_t(r) * ldo + c, c, out);
+    }
+    return;
+  }
   float* dst = out;
   int64_t ld = ldo;
   if (ws) {
@@ -251,13 +284,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// out[r, c] = sum over z of ws[z][r, c], z in order.
-__global__ void add_splits_kernel(const float* ws, int splits, float* out, int64_t ldo, int M, int N) {
+// out[r, c] = sum over z of ws[z][r, c], z in order, then the epilogue e.
+__global__ void add_splits_kernel(const float* ws, int splits, float* out, int64_t ldo, int M, int N,
+                                  const Epilogue e) {
   const int64_t n = int64_t(M) * N;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float s = ws[i];
     for (int z = 1; z < splits; ++z) s += ws[z * n + i];
-    out[(i / N) * ldo + i % N] = s;
+    const int c = int(i % N);
+    const int64_t o = (i / N) * ldo + c;
+    if (e.on) {
+      finish(e, s, o, c, out);
+    } else {
+      out[o] = s;
+    }
   }
 }
 
@@ -296,11 +336,12 @@ void launch(const Call& c, const Operand& a, const Operand& b) {
     wsp = mdata<float>(ws);
   }
   kernel<<<dim3(unsigned(tiles_n), unsigned(tiles_m), unsigned(splits)), kThreads, kSmemBytes, stream>>>(
-      a, b, c.out, c.ldo, int(c.k), int(per), wsp);
+      a, b, c.out, c.ldo, int(c.k), int(per), wsp, c.epilogue);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
     const int64_t blocks = std::min<int64_t>((c.m * c.n + 255) / 256, 4 * sms);
-    add_splits_kernel<<<unsigned(blocks), 256, 0, stream>>>(wsp, int(splits), c.out, c.ldo, int(c.m), int(c.n));
+    add_splits_kernel<<<unsigned(blocks), 256, 0, stream>>>(wsp, int(splits), c.out, c.ldo, int(c.m), int(c.n),
+                                                            c.epilogue);
     FUSED_OPS_CUDA_LAUNCH_CHECK();
   }
 }
