@@ -163,9 +163,10 @@ void linear_nt(const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t
 
 // A hidden layer: out[m, n] = a[m, k] @ w[n, k]^T + cb (+ rb [m, n]), then
 // h = act(out) (h == out: in place; h null: none); out, rb and h
-// contiguous.  On CUDA in float32 the bias and activation are the product's
-// epilogue (one kernel on the matmul table's tf32x3 path); elsewhere the
-// product, then ops.bias_act (the op's own pass, the same arithmetic).
+// contiguous.  On CUDA in float32 the bias and activation are the matmul
+// table's epilogue (in the tf32x3 path's split-K add, else one pass after
+// the product); elsewhere the product, then ops.bias_act (the op's own
+// pass, the same arithmetic).
 template <typename T, typename Ops>
 void linear_nt_bias_act(const Ops& ops, const T* a, int64_t lda, const T* w, int64_t ldw, T* out, int64_t m,
                         int64_t n, int64_t k, const T* cb, const T* rb, T* h, int64_t act, T act_param,

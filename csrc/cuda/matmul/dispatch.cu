@@ -4,8 +4,8 @@
 // The tf32x3 path (tf32x3.cu) is taken for products large enough that its
 // tensor-core tiles beat cuBLAS's float32 CUDA-core kernels; the rest go to
 // cuBLAS through aten::mm.out, on torch's current stream.  A call's epilogue
-// (a hidden layer's bias and activation) is the tf32x3 kernel's own, or one
-// pass after the cuBLAS product.
+// (a hidden layer's bias and activation) is done by tf32x3's split-K add,
+// or by one pass after the product.
 
 #include "common/dispatch.h"
 #include "cuda/matmul/paths.cuh"
@@ -38,8 +38,8 @@ const dispatch::PathTable<Call, 2> kPaths("matmul", "cuda", {{
     {"tf32x3",
      "float32, m, n >= 64, m n k >= 2^24, each operand contiguous along one axis (strides and that "
      "axis's extent multiples of 4, 16-byte aligned), sm_90a build on a compute capability 9.0 GPU",
-     "3xTF32 warpgroup tensor-core products, float32-accurate, with the bias and activation in the "
-     "kernel's epilogue: the large products of the ops' cuBLAS paths, which cuBLAS runs on the CUDA "
+     "3xTF32 warpgroup tensor-core products, float32-accurate (a bias and activation in the split-K "
+     "add, else one pass): the large products of the ops' cuBLAS paths, which cuBLAS runs on the CUDA "
      "cores at float32 precision",
      tf32x3_applies, launch_tf32x3},
     {"cublas", "anything else",

@@ -1,6 +1,6 @@
-// \brief The epilogue of a product the tf32x3 kernel did not compute
-// (common/matmul.h's cuda_matmul::Epilogue after a cuBLAS product): one pass
-// over out, in place, on the current stream.
+// \brief The epilogue (common/matmul.h's cuda_matmul::Epilogue) of a product
+// already stored (cuBLAS's, or an unsplit tf32x3 one): one pass over out, in
+// place, on the current stream.
 #include <algorithm>
 
 #include "cuda/matmul/epilogue.cuh"
@@ -17,7 +17,7 @@ __global__ void epilogue_kernel(float* out, int64_t ldo, int64_t M, int64_t N, c
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int c = int(i % N);
     const int64_t o = (i / N) * ldo + c;
-    finish(e, out[o], o, c, out);
+    finish(e, out[o], column_bias(e, c), o, out);
   }
 }
 

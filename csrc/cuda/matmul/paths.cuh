@@ -25,7 +25,8 @@ namespace cuda_matmul {
 bool tf32x3_can_run(const Call& c);
 void launch_tf32x3(const Call& c);  // the product and its epilogue
 
-// c's epilogue over c.out in place (epilogue.cu): after a cuBLAS product.
+// c's epilogue over c.out in place (epilogue.cu): after a cuBLAS or unsplit
+// tf32x3 product.
 void launch_epilogue(const Call& c);
 
 // A float32 workspace of n elements on CUDA device `device` (the split-K

@@ -31,8 +31,11 @@
 // (deterministic, no atomics).  Shared memory: 2 stages x 4 planes x 16 KB.
 //
 // Epilogue (common/matmul.h's Epilogue: a hidden layer's bias, row bias and
-// activation): the finished tile is staged in shared memory and each
-// element finished there (epilogue.cuh), or by the split-K add.
+// activation): under split-K the partials' add finishes each element
+// (epilogue.cuh); an unsplit product is stored as it is and finished by one
+// pass (epilogue.cu).  Finishing the tile in this kernel measured slower
+// than that pass at short k (docs/matmul.md): with one CTA of 8 warps per
+// SM, the activation's latency is not hidden.
 
 #include <algorithm>
 
@@ -152,20 +155,13 @@ __device__ __forceinline__ void store_tile(const float4 (&v)[4], float* big, flo
 
 #endif  // FUSED_OPS_WGMMA
 
-// Row stride of the output tile staged in shared memory for the epilogue:
-// 136 = 8 mod 32 words, so that each half-warp's 8-byte accumulator stores
-// (4 rows x 8 columns) fall in distinct banks.
-constexpr int kStageLd = kTile + 8;
-static_assert(kTile * kStageLd * sizeof(float) <= kSmemBytes, "the staged tile must fit the stages' memory");
-
 // out (or split z's partial in ws, [M, N] row-major) = A[M, K] B[K, N] over
-// k-tiles [z kt_per, (z + 1) kt_per), then (no split) the epilogue e.
-// Grid (ceil(N / 128), ceil(M / 128), splits), kThreads threads, kSmemBytes
-// of dynamic shared memory.
+// k-tiles [z kt_per, (z + 1) kt_per).  Grid (ceil(N / 128), ceil(M / 128),
+// splits), kThreads threads, kSmemBytes of dynamic shared memory.
 template <int LA, int LB>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_tf32x3_kernel(const Operand a, const Operand b, float* out, int64_t ldo, int K, int kt_per,
-                         float* ws, const Epilogue e) {
+                         float* ws) {
 #if defined(FUSED_OPS_WGMMA)
   extern __shared__ __align__(128) float smem[];
   const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32;
@@ -234,27 +230,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Accumulator (wgmma.cuh): d[4 j + i] is row 16 warp + lane / 4 + 8 (i >= 2),
   // column 8 j + 2 (lane % 4) + (i & 1) of the warpgroup's 64 x 128 block.
   const int M = a.rows, N = b.rows;
-  if (e.on && !ws) {
-    // The epilogue's bias loads and activation (a switch on e.act) run in a
-    // rolled loop over the tile staged in shared memory (free: every
-    // thread passed the last k-tile's barrier), a warp on 32 consecutive
-    // columns of a row: coalesced, and one copy of the activation code.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 64 * wg + 16 * warp + lane / 4 + 8 * h;
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<float2*>(smem + r * kStageLd + 8 * j + 2 * (lane % 4)) =
-            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
-    __syncthreads();
-#pragma unroll 2
-    for (int i = tid; i < kTile * kTile; i += kThreads) {
-      const int r = m0 + i / kTile, c = n0 + i % kTile;
-      if (r < M && c < N) finish(e, smem[(i / kTile) * kStageLd + i % kTile], int64_t(r) * ldo + c, c, out);
-    }
-    return;
-  }
   float* dst = out;
   int64_t ld = ldo;
   if (ws) {
@@ -294,7 +269,7 @@ __global__ void add_splits_kernel(const float* ws, int splits, float* out, int64
     const int c = int(i % N);
     const int64_t o = (i / N) * ldo + c;
     if (e.on) {
-      finish(e, s, o, c, out);
+      finish(e, s, column_bias(e, c), o, out);
     } else {
       out[o] = s;
     }
@@ -336,13 +311,15 @@ void launch(const Call& c, const Operand& a, const Operand& b) {
     wsp = mdata<float>(ws);
   }
   kernel<<<dim3(unsigned(tiles_n), unsigned(tiles_m), unsigned(splits)), kThreads, kSmemBytes, stream>>>(
-      a, b, c.out, c.ldo, int(c.k), int(per), wsp, c.epilogue);
+      a, b, c.out, c.ldo, int(c.k), int(per), wsp);
   FUSED_OPS_CUDA_LAUNCH_CHECK();
   if (splits > 1) {
     const int64_t blocks = std::min<int64_t>((c.m * c.n + 255) / 256, 4 * sms);
     add_splits_kernel<<<unsigned(blocks), 256, 0, stream>>>(wsp, int(splits), c.out, c.ldo, int(c.m), int(c.n),
                                                             c.epilogue);
     FUSED_OPS_CUDA_LAUNCH_CHECK();
+  } else if (c.epilogue.on) {
+    launch_epilogue(c);
   }
 }
 
