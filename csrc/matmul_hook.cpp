@@ -59,18 +59,19 @@ std::vector<Tensor> linear_act_hook(const Tensor& a, const Tensor& w, std::optio
   check_same_float_dtype_and_device({{a, "a"}, {w, "w"}});
   check_size(w, "w", 1, a.size(1), "a.shape[1], the inner size");
   const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
-  FUSED_OPS_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && a.stride(0) == k && w.stride(0) == k,
-                  "a and w must be contiguous");
+  FUSED_OPS_CHECK(a.is_contiguous(), "a must be contiguous");
+  FUSED_OPS_CHECK(w.is_contiguous(), "w must be contiguous");
   if (bias.has_value()) {
     check_rank(*bias, "bias", 1, "[n]");
     check_size(*bias, "bias", 0, n, "w.shape[0]");
+    FUSED_OPS_CHECK(bias->is_contiguous(), "bias must be contiguous");
     check_same_float_dtype_and_device({{a, "a"}, {*bias, "bias"}});
   }
   if (row_bias.has_value()) {
     check_rank(*row_bias, "row_bias", 2, "[m, n]");
     check_size(*row_bias, "row_bias", 0, m, "a.shape[0]");
     check_size(*row_bias, "row_bias", 1, n, "w.shape[0]");
-    FUSED_OPS_CHECK(row_bias->stride(1) == 1 && row_bias->stride(0) == n, "row_bias must be contiguous");
+    FUSED_OPS_CHECK(row_bias->is_contiguous(), "row_bias must be contiguous");
     check_same_float_dtype_and_device({{a, "a"}, {*row_bias, "row_bias"}});
   }
   FUSED_OPS_CHECK(act < kNumActs, "act must be an activation code below ", kNumActs, " (or < 0: none), got ", act);

@@ -199,6 +199,10 @@ def test_cuda_linear_act_bad_inputs():
     op = torch.ops.fused_ops._linear_act
     with pytest.raises(RuntimeError, match=r"bias.shape\[0\] must be 6"):
         op(a, w, torch.randn(5, device="cuda"), None, 0, 0.0, False)
+    with pytest.raises(RuntimeError, match="bias must be contiguous"):
+        op(a, w, torch.randn(12, device="cuda")[::2], None, 0, 0.0, False)
+    with pytest.raises(RuntimeError, match="w must be contiguous"):
+        op(a, torch.randn(4, 6, device="cuda").t(), None, None, 0, 0.0, False)
     with pytest.raises(RuntimeError, match=r"row_bias.shape\[1\] must be 6"):
         op(a, w, None, torch.randn(8, 5, device="cuda"), 0, 0.0, False)
     with pytest.raises(RuntimeError, match="act must be an activation code"):
