@@ -1,7 +1,7 @@
 // \brief What the CUDA paths of fused_ops::matmul share: the call (one
 // float32 product and its epilogue, common/matmul.h's cuda_matmul::Call), the
 // tf32x3 path's predicate and launcher (tf32x3.cu), the epilogue pass after
-// a cuBLAS product (epilogue.cu), and the split-K workspace.
+// a cuBLAS or unsplit tf32x3 product (epilogue.cu), and the split-K workspace.
 //
 // The table (dispatch.cu) is the one through which every CUDA float32
 // product of every op's kernels goes (common/matmul.h's matmul, linear_nt
